@@ -1,0 +1,126 @@
+"""The problem registry: every graded problem, its points, example budgets, time limits and speed thresholds.
+
+One entry per problem. The entry's `id` is also the module path of the problem under an implementation package
+(`kernels.softmax` -> `student_impl/kernels/softmax.py`), the suffix of its grader test module
+(`grader/test_kernels_softmax.py`) and of its handout section (`assignment/handout/sections/kernels/softmax.typ`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+PROFILES = ("ci", "public", "grading")
+ROOT = Path(__file__).resolve().parent.parent
+
+
+@dataclass(frozen=True)
+class SpeedThreshold:
+    """Points for speed, by the ratio student_time / reference_time measured in one run on one GPU."""
+
+    shapes: tuple[tuple[int, ...], ...]
+    # (max ratio, fraction of the speed points) from the strictest tier to the loosest.
+    tiers: tuple[tuple[float, float], ...] = ((1.25, 1.0), (2.0, 0.5))
+
+
+@dataclass(frozen=True)
+class Problem:
+    id: str
+    title: str
+    # Points per test group; a group is one test function of the problem's grader module, named without `test_`.
+    # A parametrised test shares its group's points equally between its cases.
+    points: dict[str, float]
+    # Hypothesis examples per test, by profile.
+    budgets: dict[str, int]
+    # Seconds one call into student code may take, and seconds one whole test may spend in student code.
+    call_timeout_s: float = 60.0
+    test_timeout_s: float = 300.0
+    speed: SpeedThreshold | None = None
+    # Numbers of ranks the distributed tests use (parallel family only).
+    world_sizes: tuple[int, ...] = ()
+    # Tolerance calibration: the student's error against a float64 evaluation may be at most `error_multiple`
+    # times the reference's own error at the same dtype, plus a floor of `floor_ulps` units of the dtype's epsilon
+    # (relative to the output's magnitude).
+    error_multiple: float = 4.0
+    floor_ulps: float = 8.0
+    extra: dict[str, object] = field(default_factory=dict)
+
+    @property
+    def family(self) -> str:
+        return self.id.split(".")[0]
+
+    @property
+    def name(self) -> str:
+        return self.id.split(".")[1]
+
+    @property
+    def module_path(self) -> str:
+        return f"{self.family}/{self.name}.py"
+
+    @property
+    def test_module(self) -> str:
+        return f"grader/test_{self.family}_{self.name}.py"
+
+    @property
+    def handout_section(self) -> Path:
+        return ROOT / "assignment" / "handout" / "sections" / self.family / f"{self.name}.typ"
+
+    @property
+    def max_points(self) -> float:
+        return sum(self.points.values())
+
+
+PROBLEMS: tuple[Problem, ...] = (
+    Problem(
+        id="kernels.softmax",
+        title="Softmax in Triton",
+        points={
+            "matches_reference_fp32": 5,
+            "matches_reference_fp16": 3,
+            "matches_reference_bf16": 2,
+            "long_rows": 4,
+            "large_magnitudes": 3,
+            "invalid_arguments": 1,
+        },
+        budgets={"ci": 6, "public": 25, "grading": 150},
+    ),
+    Problem(
+        id="moe.router",
+        title="Top-k token-choice router",
+        points={
+            "indices_and_gates": 5,
+            "tie_breaking": 2,
+            "tokens_per_expert": 2,
+            "losses": 4,
+            "gradients": 4,
+            "low_precision_inputs": 2,
+            "invalid_arguments": 1,
+        },
+        budgets={"ci": 15, "public": 40, "grading": 250},
+    ),
+    Problem(
+        id="parallel.ddp",
+        title="Data parallelism with overlapped gradient all-reduce",
+        points={
+            "broadcast_at_construction": 3,
+            "matches_single_process": 8,
+            "frozen_parameter": 3,
+            "tied_weights": 3,
+            "overlaps_backward": 3,
+        },
+        budgets={"ci": 1, "public": 2, "grading": 5},
+        call_timeout_s=60.0,
+        world_sizes=(2, 4),
+    ),
+)
+
+BY_ID: dict[str, Problem] = {p.id: p for p in PROBLEMS}
+
+
+def problem_for_test_module(module_name: str) -> Problem | None:
+    """The problem graded by a test module named `test_<family>_<name>` (None for any other module)."""
+    stem = module_name.rsplit(".", 1)[-1]
+    for problem in PROBLEMS:
+        if stem == f"test_{problem.family}_{problem.name}":
+            return problem
+    return None

@@ -1,0 +1,1 @@
+"""The grader: a pytest suite (`pytest grader`) that grades an implementation package against a reference."""

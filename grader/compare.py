@@ -1,0 +1,98 @@
+"""Comparing a student's output with the reference, with tolerances calibrated by the reference's own error.
+
+For a floating-point output at dtype d, let r64 be the plain reference evaluated in float64 on the same inputs and
+r_d the fast reference at dtype d. The student's output s passes when, elementwise,
+
+    |s - r64| <= multiple * max|r_d - r64| + floor_ulps * eps(d) * max|r64|
+
+so the bar is "as accurate as the reference, within a stated multiple", plus a small floor for outputs the
+reference happens to get exactly right. NaN or inf where r64 is finite never passes, and a constant output never
+passes where the expected one is not constant.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grader.outcomes import WrongAnswer
+
+
+def _where(index: int, shape: torch.Size) -> tuple[int, ...]:
+    coords = []
+    for size in reversed(shape):
+        coords.append(index % size if size else 0)
+        index //= size if size else 1
+    return tuple(reversed(coords))
+
+
+def check_tensor_form(actual, expected: torch.Tensor, what: str, context: str) -> None:
+    """Type, shape, dtype and device, each reported as itself rather than as a numeric mismatch."""
+    if not isinstance(actual, torch.Tensor):
+        raise WrongAnswer(f"{what}: expected a tensor, got {type(actual).__name__} ({context})")
+    if actual.shape != expected.shape:
+        raise WrongAnswer(f"{what}: wrong shape {tuple(actual.shape)}, expected {tuple(expected.shape)} ({context})")
+    if actual.dtype != expected.dtype:
+        raise WrongAnswer(f"{what}: wrong dtype {actual.dtype}, expected {expected.dtype} ({context})")
+    if actual.device.type != expected.device.type:
+        raise WrongAnswer(f"{what}: on device {actual.device}, expected {expected.device.type} ({context})")
+
+
+def assert_close(
+    actual,
+    expected64: torch.Tensor,
+    reference_at_dtype: torch.Tensor,
+    *,
+    what: str,
+    context: str,
+    multiple: float,
+    floor_ulps: float,
+) -> None:
+    """Raise WrongAnswer unless `actual` matches as the module docstring says."""
+    check_tensor_form(actual, reference_at_dtype, what, context)
+    s = actual.detach().to("cpu", torch.float64)
+    r64 = expected64.detach().to("cpu", torch.float64)
+    rd = reference_at_dtype.detach().to("cpu", torch.float64)
+    if s.numel() == 0:
+        return
+    finite = torch.isfinite(r64)
+    bad = finite & ~torch.isfinite(s)
+    if bad.any():
+        index = int(bad.flatten().nonzero()[0])
+        raise WrongAnswer(
+            f"{what}: {int(bad.sum())} non-finite values (e.g. {s.flatten()[index].item()} at "
+            f"{_where(index, s.shape)}, expected {r64.flatten()[index].item():.6g}) ({context})"
+        )
+    if s.numel() > 1 and bool((r64[finite] != r64[finite].flatten()[0]).any()) and bool((s == s.flatten()[0]).all()):
+        raise WrongAnswer(
+            f"{what}: every value is {s.flatten()[0].item():.6g}, but the expected output is not constant ({context})"
+        )
+    eps = torch.finfo(reference_at_dtype.dtype).eps if reference_at_dtype.is_floating_point() else 0.0
+    reference_error = float((rd - r64)[finite].abs().max()) if finite.any() else 0.0
+    scale = float(r64[finite].abs().max()) if finite.any() else 0.0
+    bound = multiple * reference_error + floor_ulps * eps * scale
+    error = torch.where(finite, (s - r64).abs(), torch.zeros_like(s))
+    worst = int(error.flatten().argmax())
+    worst_error = float(error.flatten()[worst])
+    if worst_error > bound:
+        expected_value = float(r64.flatten()[worst])
+        relative = worst_error / abs(expected_value) if expected_value else float("inf")
+        count = int((error > bound).sum())
+        raise WrongAnswer(
+            f"{what}: {count} of {s.numel()} values out of tolerance; largest error {worst_error:.3g} "
+            f"(relative {relative:.3g}) at {_where(worst, s.shape)}: got {float(s.flatten()[worst]):.6g}, "
+            f"expected {expected_value:.6g}; allowed {bound:.3g} = {multiple:g} x reference error "
+            f"{reference_error:.3g} + {floor_ulps:g} ulp x scale {scale:.3g} ({context})"
+        )
+
+
+def assert_equal(actual, expected: torch.Tensor, *, what: str, context: str) -> None:
+    """Exact comparison, for integer outputs such as indices and counts."""
+    check_tensor_form(actual, expected, what, context)
+    mismatch = actual.cpu() != expected.cpu()
+    if mismatch.any():
+        index = int(mismatch.flatten().nonzero()[0])
+        where = _where(index, actual.shape)
+        raise WrongAnswer(
+            f"{what}: {int(mismatch.sum())} of {actual.numel()} values differ; first at {where}: "
+            f"got {actual.flatten()[index].item()}, expected {expected.flatten()[index].item()} ({context})"
+        )

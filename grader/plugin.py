@@ -1,0 +1,204 @@
+"""The pytest plugin behind `pytest grader`: options, fixtures, statuses, the score table and the results file."""
+
+from __future__ import annotations
+
+import os
+import time
+import zlib
+from pathlib import Path
+
+import hypothesis
+import pytest
+
+from assignment.registry import Problem, problem_for_test_module
+from grader import backend, profiles
+from grader.context import Context, current, secret_seed, set_current
+from grader.outcomes import NotImplementedByStudent
+from grader.packages import load_problem_module, resolve
+from grader.report import results_json, score_table, write_results_json
+from grader.sandbox.client import Sandbox
+from grader.scoring import TestResult, by_problem, classify
+
+RESULTS = pytest.StashKey[dict]()
+GROUP_SIZES = pytest.StashKey[dict]()
+STARTED = pytest.StashKey[float]()
+
+__all__ = [
+    "pytest_addoption",
+    "pytest_configure",
+    "pytest_itemcollected",
+    "pytest_collection_modifyitems",
+    "pytest_runtest_makereport",
+    "pytest_terminal_summary",
+    "pytest_sessionfinish",
+    "problem",
+    "reference",
+    "student",
+    "student_presence_and_budget",
+]
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    group = parser.getgroup("grader")
+    group.addoption("--impl", default=os.environ.get("GRADER_IMPL", "student_impl"),
+                    help="implementation to grade: a directory or an importable package (env GRADER_IMPL)")
+    group.addoption("--reference", default=os.environ.get("GRADER_REFERENCE", "reference"),
+                    help="reference to compare against: a directory or an importable package (env GRADER_REFERENCE)")
+    group.addoption("--profile", default=os.environ.get("GRADER_PROFILE", "public"),
+                    help="public (default), grading (needs GRADER_SECRET_SEED) or ci (env GRADER_PROFILE)")
+    group.addoption("--results-json", default=os.environ.get("GRADER_RESULTS_JSON"),
+                    help="write Gradescope's results.json here (env GRADER_RESULTS_JSON)")
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    profile = config.getoption("--profile")
+    profiles.load(profile)
+    if profile == "grading":
+        secret_seed()  # fail now, before any test, if the seed is missing
+    root = Path(config.rootpath)
+    search_path = [str(Path.cwd()), str(root)]
+    try:
+        impl = resolve(config.getoption("--impl"), search_path)
+        reference = resolve(config.getoption("--reference"), search_path)
+    except ValueError as error:
+        raise pytest.UsageError(str(error)) from None
+    set_current(Context(profile=profile, impl=impl, reference=reference, device=backend.device()))
+    config.stash[RESULTS] = {}
+    config.stash[GROUP_SIZES] = {}
+    config.stash[STARTED] = time.monotonic()
+
+
+def problem_of(item: pytest.Item) -> Problem | None:
+    module = getattr(item, "module", None)
+    return problem_for_test_module(module.__name__) if module is not None else None
+
+
+def group_of(item: pytest.Item) -> str:
+    return getattr(item, "originalname", item.name).removeprefix("test_")
+
+
+def pytest_itemcollected(item: pytest.Item) -> None:
+    problem = problem_of(item)
+    if problem is None:
+        return
+    group = group_of(item)
+    if group not in problem.points:
+        raise pytest.UsageError(f"{item.nodeid}: test group {group!r} has no points in the registry for {problem.id}")
+    sizes = item.config.stash[GROUP_SIZES]
+    sizes[(problem.id, group)] = sizes.get((problem.id, group), 0) + 1
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if current().profile != "grading":
+        return
+    seed = secret_seed()
+    for item in items:
+        function = getattr(item, "function", None)
+        if function is not None and hasattr(function, "hypothesis"):
+            hypothesis.seed(seed ^ zlib.crc32(item.nodeid.split("[")[0].encode()))(function)
+
+
+# --- fixtures -------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def problem(request: pytest.FixtureRequest) -> Problem:
+    found = problem_for_test_module(request.module.__name__)
+    assert found is not None, f"{request.module.__name__} is not the test module of a registered problem"
+    return found
+
+
+@pytest.fixture(scope="module")
+def reference(problem: Problem):
+    """The reference module, imported in the grader's own process (student code never is)."""
+    return load_problem_module(current().reference, problem.id)
+
+
+@pytest.fixture(scope="module")
+def student(request: pytest.FixtureRequest, problem: Problem):
+    """The student's module, behind a worker process. See grader.sandbox.client.Sandbox."""
+    context = current()
+    sandbox = Sandbox(
+        problem.id,
+        context.impl,
+        context.reference,
+        call_timeout_s=problem.call_timeout_s,
+        forbidden_ops=getattr(request.module, "FORBIDDEN_OPS", ()),
+        uses_triton=getattr(request.module, "USES_TRITON", False),
+        forbid_torch_data_parallel=problem.family == "parallel",
+    )
+    yield sandbox
+    sandbox.stop()
+
+
+@pytest.fixture(autouse=True)
+def student_presence_and_budget(request: pytest.FixtureRequest) -> None:
+    problem = problem_of(request.node)
+    if problem is None:
+        return
+    module_file = current().impl.module_file(problem.id)
+    if not module_file.exists():
+        raise NotImplementedByStudent(f"not implemented ({module_file} does not exist)")
+    if "student" in request.fixturenames:
+        request.getfixturevalue("student").begin_test(problem.test_timeout_s)
+
+
+# --- outcomes -------------------------------------------------------------------------------------------------------
+
+
+def reproduce_hint(item: pytest.Item) -> str:
+    context = current()
+    seed = " with the same GRADER_SECRET_SEED" if context.profile == "grading" else ""
+    return (
+        f"reproduce: pytest grader --impl {context.impl.path} --profile {context.profile}"
+        f" -k '{item.name}'{seed}"
+    )
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report: pytest.TestReport = outcome.get_result()
+    problem = problem_of(item)
+    if problem is None or (report.when != "call" and report.passed) or report.when == "teardown":
+        return
+    share = problem.points[group_of(item)] / item.config.stash[GROUP_SIZES][(problem.id, group_of(item))]
+    result = TestResult(item.nodeid, problem, group_of(item), share, duration_s=report.duration)
+    if report.skipped:
+        result.status = "skipped"
+        result.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
+        result.message = result.message.removeprefix("Skipped: ")
+    elif report.failed and call.excinfo is not None:
+        error = call.excinfo.value
+        result.status, result.message = classify(error)
+        notes = "\n".join(getattr(error, "__notes__", []))
+        if result.status == "not implemented":
+            report.longrepr = result.message
+        else:
+            report.longrepr = "\n".join(
+                part for part in (f"[{result.status}] {result.message}", notes, reproduce_hint(item)) if part
+            )
+    item.config.stash[RESULTS][item.nodeid] = result
+
+
+def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
+    results = list(config.stash.get(RESULTS, {}).values())
+    if not results:
+        return
+    terminalreporter.section("score")
+    context = current()
+    terminalreporter.write_line(f"impl: {context.impl.path}   profile: {context.profile}   device: {context.device}")
+    for line in score_table(by_problem(results)):
+        terminalreporter.write_line(line)
+
+
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    config = session.config
+    path = config.getoption("--results-json", None)
+    if not path or RESULTS not in config.stash:
+        return
+    results = list(config.stash[RESULTS].values())
+    context = current()
+    extra = {"profile": context.profile, "impl": str(context.impl.path), "device": str(context.device)}
+    data = results_json(results, by_problem(results), time.monotonic() - config.stash[STARTED], extra)
+    write_results_json(Path(path), data)

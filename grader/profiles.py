@@ -1,0 +1,36 @@
+"""Hypothesis profiles. `public` is what students run, `grading` draws more and larger inputs from a secret seed,
+`ci` is sized for Triton's interpreter on two CPU cores."""
+
+from __future__ import annotations
+
+from hypothesis import HealthCheck, Phase, settings
+
+from assignment.registry import PROFILES, Problem
+
+_COMMON = dict(
+    report_multiple_bugs=False,
+    # No "explain" phase: it re-runs failing examples many times to annotate lines, too slow behind a worker.
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),  # one failure, shrunk, is what a student can act on
+    deadline=None,  # interpreter and worker round trips make timings meaningless; the sandbox enforces time limits
+    suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
+    print_blob=False,
+)
+
+# public and ci are derandomised: the same inputs every run, so a failure reproduces by running the test again.
+settings.register_profile("public", derandomize=True, database=None, **_COMMON)
+settings.register_profile("ci", derandomize=True, database=None, **_COMMON)
+settings.register_profile("grading", derandomize=False, database=None, **_COMMON)
+
+# How large drawn inputs may be, per profile: the interpreter costs ~0.1 ms per Triton op per program.
+SIZE_SCALE = {"ci": 1, "public": 2, "grading": 4}
+
+
+def load(profile: str) -> None:
+    if profile not in PROFILES:
+        raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
+    settings.load_profile(profile)
+
+
+def examples(problem: Problem, profile: str, fraction: float = 1.0) -> settings:
+    """The settings decorator giving a test `fraction` of its problem's example budget (at least one example)."""
+    return settings(max_examples=max(1, round(problem.budgets[profile] * fraction)))

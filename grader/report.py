@@ -1,0 +1,90 @@
+"""The score table printed at the end of `pytest grader`, and the results file in Gradescope's format."""
+
+from __future__ import annotations
+
+import json
+import platform
+from pathlib import Path
+
+import torch
+
+from grader.scoring import ProblemScore, TestResult
+
+REASON_WIDTH = 90
+
+
+def points(value: float) -> str:
+    return f"{value:g}"
+
+
+def score_table(scores: list[ProblemScore]) -> list[str]:
+    rows = [("problem", "status", "points", "reason")]
+    for score in scores:
+        reason = score.reason
+        if len(reason) > REASON_WIDTH:
+            reason = reason[: REASON_WIDTH - 3] + "..."
+        if score.skipped_points and not reason:
+            reason = next(r.short_reason for r in score.results if r.status == "skipped")
+        rows.append(
+            (score.problem.id, score.status, f"{points(score.score)}/{points(score.max_score)}", reason)
+        )
+    total = sum(s.score for s in scores)
+    total_max = sum(s.max_score for s in scores)
+    skipped = sum(s.skipped_points for s in scores)
+    note = f"{points(skipped)} more points in tests skipped here" if skipped else ""
+    rows.append(("total", "", f"{points(total)}/{points(total_max)}", note))
+    widths = [max(len(row[i]) for row in rows) for i in range(3)]
+    lines = []
+    for index, row in enumerate(rows):
+        if index in (1, len(rows) - 1):
+            lines.append("-" * (sum(widths) + 6 + 20))
+        lines.append("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
+    return lines
+
+
+def machine_description() -> dict:
+    try:
+        import triton
+
+        triton_version = triton.__version__
+    except ImportError:
+        triton_version = None
+    return {
+        "machine": platform.node(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "gpu": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+        "torch": torch.__version__,
+        "triton": triton_version,
+    }
+
+
+def results_json(results: list[TestResult], scores: list[ProblemScore], execution_time_s: float, extra: dict) -> dict:
+    tests = []
+    for problem_number, score in enumerate(scores, start=1):
+        for test_number, result in enumerate(score.results, start=1):
+            entry = {
+                "name": f"{result.problem.id} :: {result.nodeid.split('::', 1)[-1]}",
+                "number": f"{problem_number}.{test_number}",
+                "score": result.score,
+                "max_score": result.max_score,
+                "output": result.message if result.status != "passed" else "passed",
+                "visibility": "visible",
+            }
+            if result.status != "skipped":
+                entry["status"] = "passed" if result.status == "passed" else "failed"
+            else:
+                entry["output"] = f"skipped: {result.message} ({points(result.share)} points not graded here)"
+            tests.append(entry)
+    return {
+        "score": sum(s.score for s in scores),
+        "execution_time": int(round(execution_time_s)),
+        "output": "\n".join(score_table(scores)),
+        "tests": tests,
+        "extra_data": {**machine_description(), **extra},
+    }
+
+
+def write_results_json(path: Path, data: dict) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=2))

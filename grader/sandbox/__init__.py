@@ -1,0 +1,1 @@
+"""Running student code in worker processes, apart from the grader's own process."""

@@ -1,0 +1,214 @@
+"""The grader's handle on a worker process that runs one student module.
+
+All student code runs in the worker; the grader's process only sends inputs and receives plain data back. A worker
+that dies is reported as a crash and replaced on the next call; one that does not answer in time is killed with its
+whole process group and reported as a timeout.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+from grader.outcomes import (
+    NotImplementedByStudent,
+    RuleViolation,
+    StudentCrashed,
+    StudentAbort,
+    StudentError,
+    StudentTimedOut,
+)
+from grader.packages import PackageSpec
+from grader.sandbox.wire import decode, encode
+
+# Variables a student process must not see: the grading seed would let it predict the inputs, the reference path
+# would tell it where the solutions are.
+SECRET_VARIABLES = ("GRADER_SECRET_SEED", "GRADER_REFERENCE")
+START_TIMEOUT_S = 180.0
+
+
+def student_environment() -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
+    return env
+
+
+def kill_group(process: subprocess.Popen) -> None:
+    try:
+        os.killpg(process.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    process.wait()
+
+
+def output_tail(path: Path, lines: int = 15) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+def exit_description(returncode: int | None) -> str:
+    if returncode is None:
+        return "still running"
+    if returncode < 0:
+        try:
+            return f"killed by signal {signal.Signals(-returncode).name}"
+        except ValueError:
+            return f"killed by signal {-returncode}"
+    return f"exited with status {returncode}"
+
+
+class Sandbox:
+    """One student module in a worker process. Calls block until the worker answers or its time runs out."""
+
+    def __init__(
+        self,
+        problem_id: str,
+        impl: PackageSpec,
+        reference: PackageSpec,
+        *,
+        call_timeout_s: float,
+        forbidden_ops: tuple[str, ...] = (),
+        uses_triton: bool = False,
+        forbid_torch_data_parallel: bool = False,
+    ):
+        self.problem_id = problem_id
+        self.start_message = {
+            "problem": problem_id,
+            "impl": impl.to_json(),
+            "reference": reference.to_json(),
+            "forbidden_ops": list(forbidden_ops),
+            "uses_triton": uses_triton,
+            "forbid_torch_data_parallel": forbid_torch_data_parallel,
+        }
+        self.call_timeout_s = call_timeout_s
+        self.uses_triton = uses_triton
+        self.deadline: float | None = None
+        self.process: subprocess.Popen | None = None
+        self.connection: Connection | None = None
+        self.log = Path(tempfile.mkstemp(prefix=f"worker-{problem_id}-", suffix=".log")[1])
+
+    # --- lifetime -------------------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        ours, theirs = socket.socketpair()
+        with open(self.log, "ab") as log:
+            self.process = subprocess.Popen(
+                [sys.executable, "-m", "grader.sandbox.worker", str(theirs.fileno())],
+                pass_fds=[theirs.fileno()],
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=student_environment(),
+                start_new_session=True,  # its own process group, so a kill takes its children too
+            )
+        theirs.close()
+        self.connection = Connection(ours.detach())
+        self.connection.send_bytes(encode(self.start_message))
+        reply = self.receive(START_TIMEOUT_S, "importing the module")
+        if reply["status"] == "import_error":
+            self.stop()
+            if reply["kind"] == "not_implemented":
+                raise NotImplementedByStudent("not implemented")
+            raise StudentCrashed(f"importing {self.problem_id} failed: {reply['message']}\n{reply['traceback']}")
+
+    def stop(self) -> None:
+        if self.connection is not None:
+            self.connection.close()
+            self.connection = None
+        if self.process is not None:
+            kill_group(self.process)
+            self.process = None
+
+    def begin_test(self, test_timeout_s: float) -> None:
+        """Every test has a budget of student time; calls after it is spent time out at once."""
+        self.deadline = time.monotonic() + test_timeout_s
+
+    @contextlib.contextmanager
+    def describing(self, inputs: str):
+        """Name the inputs in any crash, timeout or error raised inside the block."""
+        try:
+            yield
+        except StudentAbort as abort:
+            if abort.status != "not implemented":
+                abort.message = f"{abort.message}\ninputs: {inputs}"
+                abort.args = (abort.message,)
+            raise
+        except StudentError as error:
+            error.args = (f"{error.args[0]}\ninputs: {inputs}",)
+            raise
+
+    # --- calls ----------------------------------------------------------------------------------------------------
+
+    def call(self, function: str, *args, **kwargs):
+        """The student's `function(*args, **kwargs)`; raises StudentError if it raised."""
+        return self.call_traced(function, *args, **kwargs)["value"]
+
+    def call_traced(self, function: str, *args, grad: dict | None = None, **kwargs) -> dict:
+        """Like call, with what the worker observed: Triton launches, forbidden operators, gradients."""
+        what = f"{function}()"
+        reply = self.request(
+            {"op": "call", "function": function, "args": list(args), "kwargs": kwargs, "grad": grad}, what
+        )
+        if reply["forbidden"]:
+            raise RuleViolation(
+                f"{what} called {', '.join(reply['forbidden'])}: this problem is to reimplement that operator"
+            )
+        if self.uses_triton and not reply["launches"]:
+            raise RuleViolation(f"{what} launched no Triton kernel: the work must be done by your Triton kernel")
+        return reply
+
+    def raises(self, function: str, *args, **kwargs) -> StudentError | None:
+        """What the student's `function(*args, **kwargs)` raised (None if it returned)."""
+        try:
+            self.request({"op": "call", "function": function, "args": list(args), "kwargs": kwargs}, f"{function}()")
+        except StudentError as error:
+            return error
+        return None
+
+    def run_program(self, target: str, *args, **kwargs):
+        """Run grader code `module:function(student_module, *args, **kwargs)` inside the worker."""
+        return self.request({"op": "program", "target": target, "args": list(args), "kwargs": kwargs}, target)["value"]
+
+    def request(self, message: dict, what: str) -> dict:
+        if self.process is None:
+            self.start()
+        self.connection.send_bytes(encode(message))
+        timeout = self.call_timeout_s
+        if self.deadline is not None:
+            timeout = min(timeout, self.deadline - time.monotonic())
+        reply = self.receive(timeout, what)
+        if reply["status"] == "error":
+            if reply["kind"] == "not_implemented":
+                raise NotImplementedByStudent("not implemented")
+            raise StudentError(
+                f"{what} raised {reply['message']}\n{reply['traceback']}", tuple(reply["type_names"]), reply["message"]
+            )
+        return reply
+
+    def receive(self, timeout_s: float, what: str) -> dict:
+        try:
+            ready = timeout_s > 0 and self.connection.poll(timeout_s)
+            if not ready:
+                self.stop()
+                raise StudentTimedOut(f"{what} did not return within {max(timeout_s, 0):.0f} s (worker killed)")
+            return decode(self.connection.recv_bytes())
+        except (EOFError, OSError, ConnectionError):
+            time.sleep(0.2)  # let the process finish dying so its exit status is known
+            code = self.process.poll() if self.process else None
+            tail = output_tail(self.log)
+            self.stop()
+            raise StudentCrashed(
+                f"the worker process running {what} died ({exit_description(code)})"
+                + (f"; its last output:\n{tail}" if tail else "")
+            ) from None

@@ -1,0 +1,89 @@
+"""Protections installed in a worker process before any student module is imported.
+
+They cannot stop a determined attacker who runs arbitrary code in the same process, and they need not: verdicts are
+reached in the grader's process. They make the rules of the assignment (no reference, no library shortcut, no
+torch DDP/FSDP) into clear failures instead of silent successes.
+"""
+
+from __future__ import annotations
+
+import importlib.abc
+import sys
+from pathlib import Path
+
+import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+
+
+class ForbiddenImport(ImportError):
+    pass
+
+
+class _BlockPackage(importlib.abc.MetaPathFinder):
+    def __init__(self, name: str):
+        self.name = name
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name or fullname.startswith(self.name + "."):
+            raise ForbiddenImport(f"student code may not import the reference package {self.name!r}")
+        return None
+
+
+def block_reference(package_name: str, directory: Path) -> None:
+    """Refuse imports of the reference package and any file access below its directory, for the process' life.
+
+    The audit hook cannot be removed once added, so student code cannot undo it.
+    """
+    sys.meta_path.insert(0, _BlockPackage(package_name))
+    root = str(directory.resolve())
+
+    def audit(event: str, args: tuple) -> None:
+        if event in ("open", "os.listdir", "os.scandir") and args and isinstance(args[0], (str, bytes, Path)):
+            target = args[0].decode() if isinstance(args[0], bytes) else str(args[0])
+            try:
+                resolved = str(Path(target).resolve())
+            except (OSError, RuntimeError):
+                return
+            if resolved == root or resolved.startswith(root + "/"):
+                raise PermissionError(f"student code may not read the reference ({resolved})")
+
+    sys.addaudithook(audit)
+
+
+class ForbiddenOpRecorder(TorchDispatchMode):
+    """Records which of the given aten operators were called while active (any route: torch.x, Tensor.x, F.x)."""
+
+    def __init__(self, op_names: tuple[str, ...]):
+        super().__init__()
+        self.packets = {}
+        for name in op_names:
+            namespace, _, op = name.partition(".")
+            packet = getattr(getattr(torch.ops, namespace), op, None)
+            if packet is not None:
+                self.packets[packet] = name
+        self.seen: list[str] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        name = self.packets.get(func.overloadpacket)
+        if name is not None and name not in self.seen:
+            self.seen.append(name)
+        return func(*args, **(kwargs or {}))
+
+
+class ForbiddenModuleUsed(RuntimeError):
+    pass
+
+
+def forbid_torch_data_parallel() -> None:
+    """Make torch's own DDP and FSDP wrappers raise when constructed."""
+    import torch.distributed.fsdp as fsdp
+    import torch.nn.parallel as parallel
+
+    def refuse(cls_name: str):
+        def __init__(self, *args, **kwargs):
+            raise ForbiddenModuleUsed(f"{cls_name} may not be used: implement data parallelism yourself")
+
+        return __init__
+
+    parallel.DistributedDataParallel.__init__ = refuse("torch.nn.parallel.DistributedDataParallel")
+    fsdp.FullyShardedDataParallel.__init__ = refuse("torch.distributed.fsdp.FullyShardedDataParallel")

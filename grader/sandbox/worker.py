@@ -1,0 +1,155 @@
+"""The worker process: imports one student module and runs calls into it on the grader's behalf.
+
+Started by `grader.sandbox.client.Sandbox` as `python -m grader.sandbox.worker FD`, where FD is its end of a socket
+pair. It reads a start message (which package and problem, which reference to hide), installs the guards, imports
+the student module, then answers requests until the socket closes.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import importlib
+import os
+import socket
+import sys
+import traceback
+from multiprocessing.connection import Connection
+from pathlib import Path
+
+import torch
+
+from grader.packages import PackageSpec, load_problem_module
+from grader.sandbox import guards
+from grader.sandbox.wire import decode, encode, to_plain
+
+
+def raised_in(error: BaseException, directory: Path | None) -> bool:
+    """Whether the innermost frame of the error's traceback is a file below `directory`."""
+    tb = error.__traceback__
+    while tb is not None and tb.tb_next is not None:
+        tb = tb.tb_next
+    if tb is None or directory is None:
+        return False
+    return Path(tb.tb_frame.f_code.co_filename).resolve().is_relative_to(directory)
+
+
+def describe_exception(error: BaseException, impl_dir: Path | None = None) -> dict:
+    lines = "".join(traceback.format_exception(type(error), error, error.__traceback__)).splitlines()
+    tail = "\n".join(lines[-25:])
+    # torch raises NotImplementedError for operators missing on a device: only the student's own `raise
+    # NotImplementedError` (a stub) means "not implemented".
+    stub = isinstance(error, NotImplementedError) and raised_in(error, impl_dir)
+    kind = "not_implemented" if stub else "exception"
+    return {
+        "status": "error",
+        "kind": kind,
+        "type_names": [cls.__name__ for cls in type(error).__mro__],
+        "message": f"{type(error).__name__}: {error}",
+        "traceback": tail,
+    }
+
+
+class Worker:
+    def __init__(self, start: dict):
+        self.forbidden_ops = tuple(start.get("forbidden_ops", ()))
+        self.launches = None
+        if os.environ.get("TRITON_INTERPRET") == "1" or start.get("uses_triton"):
+            from grader.sandbox import triton_hooks
+
+            triton_hooks.install_all()
+            self.launches = triton_hooks.LAUNCHES
+        if start.get("forbid_torch_data_parallel"):
+            guards.forbid_torch_data_parallel()
+        reference = PackageSpec.from_json(start["reference"])
+        impl = PackageSpec.from_json(start["impl"])
+        if reference.path != impl.path:
+            guards.block_reference(reference.name, reference.path)
+        self.impl_dir = impl.path
+        self.module = load_problem_module(impl, start["problem"])
+
+    def call(self, request: dict):
+        function = getattr(self.module, request["function"], None)
+        if function is None:
+            raise AttributeError(f"the module defines no {request['function']!r}")
+        args, kwargs = request.get("args", ()), request.get("kwargs", {})
+        grad = request.get("grad")
+        if grad is not None:
+            args = [a.detach().requires_grad_(True) if i in grad["inputs"] else a for i, a in enumerate(args)]
+        if self.launches is not None:
+            self.launches.reset()
+        recorder = guards.ForbiddenOpRecorder(self.forbidden_ops)
+        with recorder:
+            value = function(*args, **kwargs)
+            grads = None
+            if grad is not None:
+                grads = self.backward(value, args, grad)
+        return {
+            "status": "ok",
+            "value": to_plain(value),
+            "grads": grads,
+            "launches": list(self.launches.names) if self.launches is not None else [],
+            "forbidden": recorder.seen,
+        }
+
+    @staticmethod
+    def backward(value, args, grad: dict):
+        """Backpropagate the grader's upstream gradients through the outputs that have one."""
+        outputs = list(value) if isinstance(value, (tuple, list)) else [value]
+        pairs = [
+            (out, up)
+            for out, up in zip(outputs, grad["upstream"])
+            if up is not None and isinstance(out, torch.Tensor) and out.requires_grad
+        ]
+        if pairs:
+            torch.autograd.backward([o for o, _ in pairs], [u for _, u in pairs])
+        return [None if args[i].grad is None else args[i].grad.detach() for i in grad["inputs"]]
+
+    def program(self, request: dict):
+        module_name, _, function_name = request["target"].partition(":")
+        program = getattr(importlib.import_module(module_name), function_name)
+        value = program(self.module, *request.get("args", ()), **request.get("kwargs", {}))
+        return {"status": "ok", "value": to_plain(value)}
+
+    def handle(self, request: dict) -> dict:
+        try:
+            return getattr(self, request["op"])(request)
+        except BaseException as error:  # noqa: BLE001 - every student failure is reported, none kills the worker
+            if isinstance(error, (KeyboardInterrupt, SystemExit)):
+                raise
+            return describe_exception(error, self.impl_dir)
+
+
+def serve(connection: Connection) -> None:
+    start = decode(connection.recv_bytes())
+    try:
+        worker = Worker(start)
+    except BaseException as error:  # noqa: BLE001 - an import failure is the student's, reported as such
+        reply = describe_exception(error, PackageSpec.from_json(start["impl"]).path)
+        reply["status"] = "import_error"
+        connection.send_bytes(encode(reply))
+        return
+    connection.send_bytes(encode({"status": "ready"}))
+    while True:
+        try:
+            data = connection.recv_bytes()
+        except EOFError:
+            return
+        reply = worker.handle(decode(data))
+        try:
+            payload = encode(reply)
+        except Exception as error:  # noqa: BLE001 - e.g. a value torch.save cannot write
+            payload = encode(describe_exception(error))
+        connection.send_bytes(payload)
+
+
+def main() -> None:
+    faulthandler.enable()
+    sock = socket.socket(fileno=int(sys.argv[1]))
+    connection = Connection(os.dup(sock.fileno()))
+    sock.close()
+    sys.path.insert(0, str(Path.cwd()))
+    serve(connection)
+
+
+if __name__ == "__main__":
+    main()

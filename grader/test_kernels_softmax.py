@@ -1,0 +1,102 @@
+"""Grading kernels.softmax: softmax over the last dimension, in Triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close
+from grader.context import current
+from grader.marks import bf16_gpu_only
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+from grader.strategies import TensorCase, dims, leading_shapes, size_scale, tensor_cases
+
+PROBLEM = BY_ID["kernels.softmax"]
+USES_TRITON = True
+FORBIDDEN_OPS = ("aten._softmax", "aten.softmax", "aten._safe_softmax", "aten.special_softmax")
+
+
+def budget(fraction: float = 1.0):
+    return examples(PROBLEM, current().profile, fraction)
+
+
+def row_shapes(max_cols: int, max_rows: int = 12) -> st.SearchStrategy[tuple[int, ...]]:
+    # Tiles of the usual power-of-two block sizes, so that n = block +- 1 is drawn often.
+    return st.tuples(leading_shapes(max_rows), dims(max_cols, tiles=(16, 32, 64, 128, 256, 512, 1024))).map(
+        lambda parts: (*parts[0], parts[1])
+    )
+
+
+def check(student, reference, case: TensorCase) -> None:
+    x = case.make(current().device)
+    with student.describing(case.describe()):
+        actual = student.call("softmax", x)
+    assert_close(
+        actual,
+        reference.softmax_torch(x.double()),
+        reference.softmax(x),
+        what="softmax(x)",
+        context=case.describe(),
+        multiple=PROBLEM.error_multiple,
+        floor_ulps=PROBLEM.floor_ulps,
+    )
+
+
+@budget()
+@given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float32))
+def test_matches_reference_fp32(student, reference, case):
+    check(student, reference, case)
+
+
+@budget()
+@given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float16, regimes=("normal", "ties", "tiny")))
+def test_matches_reference_fp16(student, reference, case):
+    check(student, reference, case)
+
+
+@bf16_gpu_only
+@budget()
+@given(case=tensor_cases(row_shapes(96 * size_scale()), torch.bfloat16, regimes=("normal", "ties", "tiny")))
+def test_matches_reference_bf16(student, reference, case):
+    check(student, reference, case)
+
+
+@budget(0.25)
+@given(
+    case=tensor_cases(
+        st.tuples(st.integers(1, 2), st.integers(5_000 * size_scale(), 12_500 * size_scale())),
+        torch.float32,
+        layouts=("contiguous", "sliced"),
+        regimes=("normal", "large"),
+    )
+)
+def test_long_rows(student, reference, case):
+    """Rows far longer than one block: 100k columns on a GPU (fewer under the interpreter)."""
+    check(student, reference, case)
+
+
+@budget(0.5)
+@given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float32, regimes=("large",)))
+def test_large_magnitudes(student, reference, case):
+    """Inputs of magnitude 1e4: exp overflows unless the row maximum is subtracted first."""
+    check(student, reference, case)
+
+
+INVALID = [
+    pytest.param(lambda device: torch.tensor(1.0, device=device), "ValueError", id="zero-dim"),
+    pytest.param(lambda device: torch.ones(3, 0, device=device), "ValueError", id="empty-rows"),
+    pytest.param(lambda device: torch.ones(3, 4, dtype=torch.int32, device=device), "TypeError", id="int32"),
+    pytest.param(lambda device: torch.ones(3, 4, dtype=torch.float64, device=device), "TypeError", id="float64"),
+]
+
+
+@pytest.mark.parametrize("make_input, expected_error", INVALID)
+def test_invalid_arguments(student, make_input, expected_error):
+    x = make_input(current().device)
+    raised = student.raises("softmax", x)
+    if raised is None or expected_error not in raised.type_names:
+        got = f"it raised {raised.raised}" if raised else "it returned normally"
+        raise WrongAnswer(f"softmax(x) for x of shape {tuple(x.shape)} and {x.dtype} must raise {expected_error}; {got}")
