@@ -109,7 +109,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "overlaps_backward": 3,
         },
         budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=60.0,
+        call_timeout_s=90.0,
         world_sizes=(2, 4),
     ),
 )

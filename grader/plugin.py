@@ -12,6 +12,7 @@ import pytest
 
 from assignment.registry import Problem, problem_for_test_module
 from grader import backend, profiles
+from grader.distributed.launcher import RankJob, launcher_for
 from grader.context import Context, current, secret_seed, set_current
 from grader.outcomes import NotImplementedByStudent
 from grader.packages import load_problem_module, resolve
@@ -34,6 +35,7 @@ __all__ = [
     "problem",
     "reference",
     "student",
+    "ranks",
     "student_presence_and_budget",
 ]
 
@@ -46,6 +48,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="reference to compare against: a directory or an importable package (env GRADER_REFERENCE)")
     group.addoption("--profile", default=os.environ.get("GRADER_PROFILE", "public"),
                     help="public (default), grading (needs GRADER_SECRET_SEED) or ci (env GRADER_PROFILE)")
+    group.addoption("--launcher", default=os.environ.get("GRADER_LAUNCHER", "local"),
+                    help="how distributed problems start their ranks: local (default) or submitit (env GRADER_LAUNCHER)")
+    group.addoption("--timeout-scale", type=float, default=float(os.environ.get("GRADER_TIMEOUT_SCALE", "1")),
+                    help="multiply every time limit by this factor, e.g. 2 on a slow machine (env GRADER_TIMEOUT_SCALE)")
     group.addoption("--results-json", default=os.environ.get("GRADER_RESULTS_JSON"),
                     help="write Gradescope's results.json here (env GRADER_RESULTS_JSON)")
 
@@ -122,13 +128,45 @@ def student(request: pytest.FixtureRequest, problem: Problem):
         problem.id,
         context.impl,
         context.reference,
-        call_timeout_s=problem.call_timeout_s,
+        call_timeout_s=problem.call_timeout_s * request.config.getoption("--timeout-scale"),
         forbidden_ops=getattr(request.module, "FORBIDDEN_OPS", ()),
         uses_triton=getattr(request.module, "USES_TRITON", False),
         forbid_torch_data_parallel=problem.family == "parallel",
     )
     yield sandbox
     sandbox.stop()
+
+
+class Ranks:
+    """Runs a program of the test module on several ranks, each importing the student's module."""
+
+    def __init__(self, problem: Problem, launcher, timeout_scale: float):
+        self.problem = problem
+        self.launcher = launcher
+        self.timeout_scale = timeout_scale
+
+    def run(self, program, world_size: int, *args, **kwargs) -> list:
+        context = current()
+        job = RankJob(
+            problem=self.problem.id,
+            impl=context.impl,
+            reference=context.reference,
+            program=f"{program.__module__}:{program.__name__}",
+            world_size=world_size,
+            args=args,
+            kwargs=kwargs,
+            timeout_s=self.problem.call_timeout_s * self.timeout_scale,
+            # The launcher's own deadline ends a hang first, with a diagnosis; the collective timeout only guarantees
+            # that ranks nobody watches (a Slurm job) cannot wait forever.
+            collective_timeout_s=self.problem.call_timeout_s * self.timeout_scale + 30,
+        )
+        return self.launcher.run(job)
+
+
+@pytest.fixture(scope="module")
+def ranks(request: pytest.FixtureRequest, problem: Problem) -> Ranks:
+    config = request.config
+    return Ranks(problem, launcher_for(config.getoption("--launcher")), config.getoption("--timeout-scale"))
 
 
 @pytest.fixture(autouse=True)
@@ -140,7 +178,8 @@ def student_presence_and_budget(request: pytest.FixtureRequest) -> None:
     if not module_file.exists():
         raise NotImplementedByStudent(f"not implemented ({module_file} does not exist)")
     if "student" in request.fixturenames:
-        request.getfixturevalue("student").begin_test(problem.test_timeout_s)
+        scale = request.config.getoption("--timeout-scale")
+        request.getfixturevalue("student").begin_test(problem.test_timeout_s * scale)
 
 
 # --- outcomes -------------------------------------------------------------------------------------------------------

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import os
+
 from hypothesis import HealthCheck, Phase, settings
 
 from assignment.registry import PROFILES, Problem
@@ -25,12 +27,21 @@ settings.register_profile("grading", derandomize=False, database=None, **_COMMON
 SIZE_SCALE = {"ci": 1, "public": 2, "grading": 4}
 
 
+PROFILE_VARIABLE = "GRADER_PROFILE"
+
+
 def load(profile: str) -> None:
+    """Make `profile` the active one, in this process and (through the environment) in the processes it starts."""
     if profile not in PROFILES:
         raise ValueError(f"unknown profile {profile!r}; choose one of {', '.join(PROFILES)}")
     settings.load_profile(profile)
+    os.environ[PROFILE_VARIABLE] = profile
 
 
-def examples(problem: Problem, profile: str, fraction: float = 1.0) -> settings:
+def active() -> str:
+    return os.environ.get(PROFILE_VARIABLE, "public")
+
+
+def examples(problem: Problem, fraction: float = 1.0) -> settings:
     """The settings decorator giving a test `fraction` of its problem's example budget (at least one example)."""
-    return settings(max_examples=max(1, round(problem.budgets[profile] * fraction)))
+    return settings(max_examples=max(1, round(problem.budgets[active()] * fraction)))

@@ -68,7 +68,7 @@ def results_json(results: list[TestResult], scores: list[ProblemScore], executio
                 "number": f"{problem_number}.{test_number}",
                 "score": result.score,
                 "max_score": result.max_score,
-                "output": result.message if result.status != "passed" else "passed",
+                "output": result.status if result.message in ("", result.status) else f"{result.status}: {result.message}",
                 "visibility": "visible",
             }
             if result.status != "skipped":

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 
-from grader.context import current
+from grader import profiles
 from grader.profiles import SIZE_SCALE
 
 LAYOUTS = ("contiguous", "transposed", "sliced", "offset")
@@ -23,8 +23,7 @@ REGIMES = ("normal", "large", "ties", "tiny")
 
 def size_scale() -> int:
     """How much larger than the `ci` sizes this run may draw (larger still on a GPU)."""
-    context = current()
-    return SIZE_SCALE[context.profile] * (8 if context.on_gpu else 1)
+    return SIZE_SCALE[profiles.active()] * (8 if torch.cuda.is_available() else 1)
 
 
 def dims(max_size: int, tiles: tuple[int, ...] = (16, 32, 64, 128)) -> st.SearchStrategy[int]:

@@ -19,10 +19,6 @@ USES_TRITON = True
 FORBIDDEN_OPS = ("aten._softmax", "aten.softmax", "aten._safe_softmax", "aten.special_softmax")
 
 
-def budget(fraction: float = 1.0):
-    return examples(PROBLEM, current().profile, fraction)
-
-
 def row_shapes(max_cols: int, max_rows: int = 12) -> st.SearchStrategy[tuple[int, ...]]:
     # Tiles of the usual power-of-two block sizes, so that n = block +- 1 is drawn often.
     return st.tuples(leading_shapes(max_rows), dims(max_cols, tiles=(16, 32, 64, 128, 256, 512, 1024))).map(
@@ -45,26 +41,26 @@ def check(student, reference, case: TensorCase) -> None:
     )
 
 
-@budget()
+@examples(PROBLEM)
 @given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float32))
 def test_matches_reference_fp32(student, reference, case):
     check(student, reference, case)
 
 
-@budget()
+@examples(PROBLEM)
 @given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float16, regimes=("normal", "ties", "tiny")))
 def test_matches_reference_fp16(student, reference, case):
     check(student, reference, case)
 
 
 @bf16_gpu_only
-@budget()
+@examples(PROBLEM)
 @given(case=tensor_cases(row_shapes(96 * size_scale()), torch.bfloat16, regimes=("normal", "ties", "tiny")))
 def test_matches_reference_bf16(student, reference, case):
     check(student, reference, case)
 
 
-@budget(0.25)
+@examples(PROBLEM, 0.25)
 @given(
     case=tensor_cases(
         st.tuples(st.integers(1, 2), st.integers(5_000 * size_scale(), 12_500 * size_scale())),
@@ -78,7 +74,7 @@ def test_long_rows(student, reference, case):
     check(student, reference, case)
 
 
-@budget(0.5)
+@examples(PROBLEM, 0.5)
 @given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float32, regimes=("large",)))
 def test_large_magnitudes(student, reference, case):
     """Inputs of magnitude 1e4: exp overflows unless the row maximum is subtracted first."""

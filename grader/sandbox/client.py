@@ -59,7 +59,7 @@ def output_tail(path: Path, lines: int = 15) -> str:
 
 def exit_description(returncode: int | None) -> str:
     if returncode is None:
-        return "still running"
+        return "exit status unknown"
     if returncode < 0:
         try:
             return f"killed by signal {signal.Signals(-returncode).name}"

@@ -1,0 +1,61 @@
+"""Running `pytest grader` as a subprocess, the way students and instructors do, and reading its results file."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+WRONG = Path(__file__).resolve().parent / "wrong"
+
+
+@dataclass
+class GraderRun:
+    returncode: int
+    output: str
+    results: dict
+
+    def tests_of(self, problem_id: str) -> list[dict]:
+        return [t for t in self.results["tests"] if t["name"].startswith(problem_id + " ::")]
+
+    def failures(self, problem_id: str) -> list[dict]:
+        return [t for t in self.tests_of(problem_id) if t.get("status") == "failed"]
+
+
+def run_grader(impl: str | Path, *pytest_args: str, profile: str = "ci", timeout_s: float = 900,
+               env: dict | None = None) -> GraderRun:
+    with tempfile.TemporaryDirectory() as scratch:
+        results_path = Path(scratch) / "results.json"
+        command = [sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
+                   "--impl", str(impl), "--profile", profile, "--results-json", str(results_path), *pytest_args]
+        completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+                                   env={**os.environ, **(env or {})})
+        output = completed.stdout + completed.stderr
+        assert results_path.exists(), f"the grader wrote no results file:\n{output}"
+        return GraderRun(completed.returncode, output, json.loads(results_path.read_text()))
+
+
+def wrong_impl(problem_id: str, variant: str) -> Path:
+    """A deliberately wrong implementation package: tests/wrong/<family>_<name>/<variant>/<family>/<name>.py."""
+    family, name = problem_id.split(".")
+    path = WRONG / f"{family}_{name}" / variant
+    assert (path / family / f"{name}.py").exists(), f"no wrong implementation at {path}"
+    return path
+
+
+def assert_fails_for(run: GraderRun, problem_id: str, test: str, *fragments: str, status: str = "failed") -> None:
+    """The named test (a substring of its name) failed, and its output names the fault by every fragment."""
+    matching = [t for t in run.tests_of(problem_id) if test in t["name"]]
+    assert matching, f"no test matching {test!r} ran for {problem_id}:\n{run.output[-3000:]}"
+    failed = [t for t in matching if t.get("status") == "failed"]
+    assert failed, f"{test} passed for a wrong implementation of {problem_id}:\n{run.output[-3000:]}"
+    for entry in failed:
+        assert entry["output"].startswith(status), f"expected status {status!r}, got: {entry['output']}"
+        missing = [f for f in fragments if f.lower() not in entry["output"].lower()]
+        assert not missing, f"{entry['name']} failed without naming {missing}:\n{entry['output']}"
+    assert run.returncode != 0

@@ -1,0 +1,6 @@
+"""Hostile: never returns."""
+
+
+def softmax(x):
+    while True:
+        pass

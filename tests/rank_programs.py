@@ -1,0 +1,44 @@
+"""Programs the launcher tests run on several ranks: program(student_module, rank, world_size, *args)."""
+
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+
+def sum_of_ranks(student, rank, world_size):
+    value = torch.tensor([float(rank + 1)])
+    dist.all_reduce(value)
+    return {"rank": rank, "world_size": world_size, "sum": value}
+
+
+def rank_one_skips_a_collective(student, rank, world_size):
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    if rank != 1:
+        dist.all_reduce(value)
+    return value
+
+
+def rank_one_hangs(student, rank, world_size):
+    value = torch.ones(1)
+    dist.all_reduce(value)
+    if rank == 1:
+        time.sleep(3600)
+    dist.all_reduce(value)
+    return value
+
+
+def rank_one_raises(student, rank, world_size):
+    if rank == 1:
+        raise ValueError("rank one is unhappy")
+    dist.barrier()
+    return rank
+
+
+def rank_one_dies(student, rank, world_size):
+    if rank == 1:
+        os._exit(3)
+    dist.barrier()
+    return rank

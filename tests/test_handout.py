@@ -1,0 +1,90 @@
+"""The handout: handout.pdf matches its sources, every problem has a section, and the freshness check notices edits."""
+
+import shutil
+import textwrap
+
+import pytest
+
+from assignment.handout import build
+from assignment.registry import PROBLEMS, ROOT
+
+REBUILD = "run python -m assignment.handout.build"
+
+
+def test_handout_pdf_matches_its_sources():
+    pdf = ROOT / build.OUTPUT
+    assert pdf.is_file(), f"handout.pdf is missing: {REBUILD}"
+    assert build.embedded_sha256(pdf.read_bytes()) == build.current_source_sha256(ROOT), (
+        f"handout.pdf is older than its source: {REBUILD}"
+    )
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda problem: problem.id)
+def test_every_problem_has_a_section(problem):
+    assert problem.handout_section.is_file(), f"{problem.id} has no handout section at {problem.handout_section}"
+
+
+@pytest.fixture
+def repo_copy(tmp_path):
+    """The files the handout is built from, copied under tmp_path."""
+    ignore = shutil.ignore_patterns("__pycache__")
+    shutil.copytree(ROOT / "assignment", tmp_path / "assignment", ignore=ignore)
+    shutil.copytree(ROOT / build.STUBS_DIR, tmp_path / build.STUBS_DIR, ignore=ignore)
+    return tmp_path
+
+
+def test_editing_a_section_makes_check_fail(repo_copy, capsys):
+    pytest.importorskip("typst")
+    assert build.main(["--root", str(repo_copy)]) == 0
+    assert build.main(["--check", "--root", str(repo_copy)]) == 0
+    section = repo_copy / build.HANDOUT_DIR / build.section_path(PROBLEMS[0])
+    section.write_text(section.read_text() + "\nOne more sentence.\n")
+    pdf_before = (repo_copy / build.OUTPUT).read_bytes()
+    capsys.readouterr()
+
+    assert build.main(["--check", "--root", str(repo_copy)]) == 1
+    assert "handout.pdf is older than its source" in capsys.readouterr().err
+    assert (repo_copy / build.OUTPUT).read_bytes() == pdf_before, "--check must write nothing"
+
+
+def test_a_missing_section_is_a_build_error_naming_it(repo_copy, capsys):
+    section = build.HANDOUT_DIR / build.section_path(PROBLEMS[-1])
+    (repo_copy / section).unlink()
+    assert build.main(["--root", str(repo_copy)]) == 1
+    assert section.as_posix() in capsys.readouterr().err
+    assert not (repo_copy / build.OUTPUT).exists()
+
+
+def test_contract_is_read_from_the_stub_without_importing_it(tmp_path):
+    stub = tmp_path / "stub.py"
+    stub.write_text(textwrap.dedent('''
+        """Module summary."""
+        import this_module_does_not_exist
+
+        class Result(NamedTuple):
+            values_N: Tensor  # float32 [N]
+            count: int = 0
+
+        class Worker:
+            """Does work."""
+            def __init__(self, size: int) -> None:
+                """Make one."""
+            def run(self, *jobs, timeout_s: float = 1.0, **options) -> Result:
+                """Run the jobs."""
+            def _helper(self): ...
+
+        def compute(x: Tensor, /, k: int, *, exact: bool = True) -> Result:
+            """Compute it."""
+
+        def _private(): ...
+    '''))
+    contract = build.stub_contract(stub)
+    assert contract["module_doc"] == "Module summary."
+    result, worker, compute = contract["items"]
+    assert result["signature"] == "class Result(NamedTuple):\n    values_N: Tensor  # float32 [N]\n    count: int = 0"
+    assert [method["name"] for method in worker["methods"]] == ["Worker.__init__", "Worker.run"]
+    assert worker["methods"][1]["signature"] == (
+        "def run(self, *jobs, timeout_s: float = 1.0, **options) -> Result:"
+    )
+    assert compute["signature"] == "def compute(x: Tensor, /, k: int, *, exact: bool = True) -> Result:"
+    assert compute["doc"] == "Compute it."

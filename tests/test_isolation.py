@@ -1,0 +1,73 @@
+"""Hostile student code costs only its own problem and cannot change a verdict.
+
+Each hostile softmax is placed in a copy of the reference package, so the same grading run also grades a correct
+router: it must still get full marks.
+"""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+from tests.grading import ROOT, assert_fails_for, run_grader
+
+HOSTILE = Path(__file__).resolve().parent / "hostile"
+
+
+def impl_with_hostile_softmax(tmp_path: Path, variant: str) -> Path:
+    impl = tmp_path / "impl"
+    shutil.copytree(ROOT / "reference", impl, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(HOSTILE / variant / "kernels" / "softmax.py", impl / "kernels" / "softmax.py")
+    return impl
+
+
+def assert_router_unharmed(run) -> None:
+    router = run.tests_of("moe.router")
+    assert router and all(t["status"] == "passed" for t in router), run.output[-3000:]
+
+
+@pytest.mark.parametrize(
+    "variant, status, fragments",
+    [
+        ("segfault", "crashed", ("died", "SIGSEGV")),
+        ("exits", "crashed", ("died", "exited with status 0")),
+        ("hang", "timed out", ("did not return within",)),
+    ],
+)
+def test_crash_or_hang_costs_only_its_problem(tmp_path, variant, status, fragments):
+    started = time.monotonic()
+    run = run_grader(
+        impl_with_hostile_softmax(tmp_path, variant),
+        "-k", "matches_reference_fp32 or router",
+        "--timeout-scale", "0.1",
+    )
+    assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", *fragments, status=status)
+    assert "inputs: shape=" in run.failures("kernels.softmax")[0]["output"]
+    assert_router_unharmed(run)
+    assert "score" in run.output and "total" in run.output
+    assert time.monotonic() - started < 120
+
+
+def test_patched_checks_change_no_verdict(tmp_path):
+    run = run_grader(impl_with_hostile_softmax(tmp_path, "patches_checks"), "-k", "matches_reference or router")
+    assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "expected output is not constant")
+    assert_fails_for(run, "kernels.softmax", "matches_reference_fp16", "expected output is not constant")
+    assert_router_unharmed(run)
+
+
+def test_reference_can_be_neither_imported_nor_read():
+    run = run_grader(HOSTILE / "steals_reference", "-k", "matches_reference_fp32")
+    assert_fails_for(
+        run, "kernels.softmax", "matches_reference_fp32",
+        "may not import the reference package", "may not read the reference",
+    )
+
+
+def test_no_worker_outlives_the_run(tmp_path):
+    run_grader(impl_with_hostile_softmax(tmp_path, "hang"), "-k", "matches_reference_fp32", "--timeout-scale", "0.05")
+    leftover = subprocess.run(["pgrep", "-f", "grader.sandbox.worker"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == "", f"worker processes left running: {leftover.stdout}"

@@ -1,0 +1,75 @@
+"""The distributed launchers: results per rank, and clear verdicts for errors, deaths and hangs."""
+
+from __future__ import annotations
+
+import subprocess
+import time
+
+import pytest
+import torch
+
+from grader.distributed.launcher import LocalLauncher, RankJob, SubmititLauncher
+from grader.outcomes import StudentCrashed, StudentError, StudentTimedOut
+from grader.packages import resolve
+from tests.grading import ROOT
+
+
+def job(program: str, world_size: int = 2, timeout_s: float = 60.0) -> RankJob:
+    reference = resolve(str(ROOT / "reference"))
+    return RankJob(
+        problem="parallel.ddp",
+        impl=reference,
+        reference=reference,
+        program=f"tests.rank_programs:{program}",
+        world_size=world_size,
+        timeout_s=timeout_s,
+        collective_timeout_s=timeout_s + 30,
+        backend="gloo",
+    )
+
+
+@pytest.mark.parametrize(
+    "launcher, world_size",
+    [(LocalLauncher(), 2), (LocalLauncher(), 4), (SubmititLauncher("local"), 2)],
+    ids=["local-2", "local-4", "submitit-2"],
+)
+def test_every_rank_returns(launcher, world_size):
+    results = launcher.run(job("sum_of_ranks", world_size))
+    expected = world_size * (world_size + 1) / 2
+    assert [r["rank"] for r in results] == list(range(world_size))
+    assert all(torch.equal(r["sum"], torch.tensor([expected])) for r in results)
+
+
+@pytest.mark.parametrize("launcher", [LocalLauncher(), SubmititLauncher("local")], ids=["local", "submitit"])
+def test_hang_names_the_rank_that_never_arrived(launcher):
+    started = time.monotonic()
+    with pytest.raises(StudentTimedOut) as raised:
+        launcher.run(job("rank_one_hangs", timeout_s=20))
+    assert time.monotonic() - started < 40
+    assert "rank(s) [0] waited in collective #2 (all_reduce)" in raised.value.message
+    assert "rank(s) [1] never arrived (rank 1 stopped after #1)" in raised.value.message
+
+
+def test_a_skipped_collective_is_explained():
+    with pytest.raises(StudentError) as raised:
+        LocalLauncher().run(job("rank_one_skips_a_collective", timeout_s=30))
+    assert "rank(s) [0] waited in collective #2 (all_reduce); rank(s) [1] never arrived" in str(raised.value)
+
+
+def test_an_error_on_one_rank_names_it():
+    started = time.monotonic()
+    with pytest.raises(StudentError, match="rank 1 of 2 raised ValueError: rank one is unhappy"):
+        LocalLauncher().run(job("rank_one_raises"))
+    assert time.monotonic() - started < 20
+
+
+def test_a_dead_rank_is_a_crash():
+    with pytest.raises(StudentCrashed, match="rank 1 of 2 died \\(exited with status 3\\)"):
+        LocalLauncher().run(job("rank_one_dies"))
+
+
+def test_no_rank_outlives_its_run():
+    with pytest.raises(StudentTimedOut):
+        LocalLauncher().run(job("rank_one_hangs", timeout_s=5))
+    leftover = subprocess.run(["pgrep", "-f", "grader.distributed.rank"], capture_output=True, text=True)
+    assert leftover.stdout.strip() == ""

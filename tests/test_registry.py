@@ -1,0 +1,68 @@
+"""Every registered problem is complete: stub, reference, grader module, handout section, points for each test."""
+
+from __future__ import annotations
+
+import ast
+
+import pytest
+
+from assignment.registry import PROBLEMS, ROOT, problem_for_test_module
+
+
+def public_signatures(path) -> dict[str, str]:
+    """name -> argument list, for public functions, classes and their public methods (and __init__)."""
+    tree = ast.parse(path.read_text())
+    signatures = {}
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
+            signatures[node.name] = ast.unparse(node.args)
+        if isinstance(node, ast.ClassDef) and not node.name.startswith("_"):
+            signatures[node.name] = ""
+            for item in node.body:
+                if isinstance(item, ast.FunctionDef) and (not item.name.startswith("_") or item.name == "__init__"):
+                    signatures[f"{node.name}.{item.name}"] = ast.unparse(item.args)
+                if isinstance(item, ast.AnnAssign):
+                    signatures[f"{node.name}.{ast.unparse(item.target)}"] = ast.unparse(item.annotation)
+    return signatures
+
+
+def grader_test_groups(problem) -> set[str]:
+    tree = ast.parse((ROOT / problem.test_module).read_text())
+    return {n.name.removeprefix("test_") for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
+def test_problem_has_its_five_places(problem):
+    assert (ROOT / "student_impl" / problem.module_path).exists()
+    assert (ROOT / "reference" / problem.module_path).exists()
+    assert (ROOT / problem.test_module).exists()
+    assert problem.handout_section.exists()
+    assert problem_for_test_module(f"grader.test_{problem.family}_{problem.name}") is problem
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
+def test_points_match_test_functions(problem):
+    assert set(problem.points) == grader_test_groups(problem)
+    assert all(points > 0 for points in problem.points.values())
+    assert set(problem.budgets) == {"ci", "public", "grading"}
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
+def test_stub_and_reference_share_signatures(problem):
+    stub = public_signatures(ROOT / "student_impl" / problem.module_path)
+    reference = public_signatures(ROOT / "reference" / problem.module_path)
+    assert stub, f"the stub of {problem.id} defines nothing public"
+    for name, signature in stub.items():
+        assert reference.get(name) == signature, f"{problem.id}: {name} differs between stub and reference"
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
+def test_stub_bodies_raise_not_implemented(problem):
+    tree = ast.parse((ROOT / "student_impl" / problem.module_path).read_text())
+    functions = [n for n in ast.walk(tree) if isinstance(n, ast.FunctionDef) and not n.name.startswith("_")
+                 or isinstance(n, ast.FunctionDef) and n.name == "__init__"]
+    assert functions
+    for function in functions:
+        assert ast.get_docstring(function) or ast.get_docstring(tree), f"{function.name} has no contract"
+        last = function.body[-1]
+        assert isinstance(last, ast.Raise) and "NotImplementedError" in ast.unparse(last), function.name
