@@ -63,7 +63,8 @@ def test_matches_reference_bf16(student, reference, case):
 @examples(PROBLEM, 0.25)
 @given(
     case=tensor_cases(
-        st.tuples(st.integers(1, 2), st.integers(5_000 * size_scale(), 12_500 * size_scale())),
+        # Up to 40k columns under `ci` (past the reference's 16k single-pass limit too), 100k+ on a GPU.
+        st.tuples(st.integers(1, 2), st.integers(5_000 * size_scale(), 40_000 * size_scale())),
         torch.float32,
         layouts=("contiguous", "sliced"),
         regimes=("normal", "large"),
