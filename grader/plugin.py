@@ -49,7 +49,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--profile", default=os.environ.get("GRADER_PROFILE", "public"),
                     help="public (default), grading (needs GRADER_SECRET_SEED) or ci (env GRADER_PROFILE)")
     group.addoption("--launcher", default=os.environ.get("GRADER_LAUNCHER", "local"),
-                    help="how distributed problems start their ranks: local (default) or submitit (env GRADER_LAUNCHER)")
+                    help="how distributed problems start their ranks: local (default), submitit, or srun inside a Slurm "
+                         "allocation (env GRADER_LAUNCHER)")
     group.addoption("--timeout-scale", type=float, default=float(os.environ.get("GRADER_TIMEOUT_SCALE", "1")),
                     help="multiply every time limit by this factor, e.g. 2 on a slow machine (env GRADER_TIMEOUT_SCALE)")
     group.addoption("--results-json", default=os.environ.get("GRADER_RESULTS_JSON"),
@@ -60,7 +61,10 @@ def pytest_configure(config: pytest.Config) -> None:
     profile = config.getoption("--profile")
     profiles.load(profile)
     if profile == "grading":
-        secret_seed()  # fail now, before any test, if the seed is missing
+        try:
+            secret_seed()  # fail now, before any test, if the seed is missing
+        except (RuntimeError, ValueError) as error:
+            raise pytest.UsageError(str(error)) from None
     root = Path(config.rootpath)
     search_path = [str(Path.cwd()), str(root)]
     try:

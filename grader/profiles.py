@@ -42,6 +42,10 @@ def active() -> str:
     return os.environ.get(PROFILE_VARIABLE, "public")
 
 
-def examples(problem: Problem, fraction: float = 1.0) -> settings:
-    """The settings decorator giving a test `fraction` of its problem's example budget (at least one example)."""
-    return settings(max_examples=max(1, round(problem.budgets[active()] * fraction)))
+def examples(problem: Problem, fraction: float = 1.0, shrink: bool = True) -> settings:
+    """The settings decorator giving a test `fraction` of its problem's example budget (at least one example).
+
+    shrink=False suits tests whose every example is expensive (a launch of several ranks) and already small.
+    """
+    phases = settings().phases if shrink else tuple(p for p in settings().phases if p != Phase.shrink)
+    return settings(max_examples=max(1, round(problem.budgets[active()] * fraction)), phases=phases)

@@ -141,7 +141,7 @@ def check_training(results: list[dict], config: dict, world_size: int) -> None:
 
 
 @pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM)
+@examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_broadcast_at_construction(ranks, world_size, config):
     config = {**config, "variant": "plain"}
@@ -158,7 +158,7 @@ def test_broadcast_at_construction(ranks, world_size, config):
 
 
 @pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
-@examples(PROBLEM)
+@examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_matches_single_process(ranks, world_size, config):
     config = {**config, "variant": "plain"}
@@ -170,7 +170,7 @@ def all_reduces_per_step(result: dict) -> list[list[tuple]]:
 
 
 @pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM)
+@examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_frozen_parameter(ranks, world_size, config):
     config = {**config, "variant": "frozen"}
@@ -189,7 +189,7 @@ def test_frozen_parameter(ranks, world_size, config):
 
 
 @pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM)
+@examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_tied_weights(ranks, world_size, config):
     config = {**config, "variant": "tied"}
@@ -204,7 +204,7 @@ def test_tied_weights(ranks, world_size, config):
 
 
 @pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM)
+@examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_overlaps_backward(ranks, world_size, config):
     config = {**config, "variant": "plain"}

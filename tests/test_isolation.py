@@ -1,5 +1,7 @@
 """Hostile student code costs only its own problem and cannot change a verdict.
 
+The out-of-bounds case relies on Triton's interpreter (the bounds check), so these tests run on CPU machines.
+
 Each hostile softmax is placed in a copy of the reference package, so the same grading run also grades a correct
 router: it must still get full marks.
 """
@@ -7,8 +9,8 @@ router: it must still get full marks.
 from __future__ import annotations
 
 import shutil
-import subprocess
 import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -36,6 +38,7 @@ def assert_router_unharmed(run) -> None:
         ("segfault", "crashed", ("died", "SIGSEGV")),
         ("exits", "crashed", ("died", "exited with status 0")),
         ("hang", "timed out", ("did not return within",)),
+        ("out_of_bounds", "failed", ("out-of-bounds store in Triton kernel `_scribble_kernel`",)),
     ],
 )
 def test_crash_or_hang_costs_only_its_problem(tmp_path, variant, status, fragments):
@@ -54,8 +57,11 @@ def test_crash_or_hang_costs_only_its_problem(tmp_path, variant, status, fragmen
 
 def test_patched_checks_change_no_verdict(tmp_path):
     run = run_grader(impl_with_hostile_softmax(tmp_path, "patches_checks"), "-k", "matches_reference or router")
-    assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "expected output is not constant")
-    assert_fails_for(run, "kernels.softmax", "matches_reference_fp16", "expected output is not constant")
+    # Its constant 0.5 is caught as constant, or (where shrinking reaches a one-column row) as out of tolerance.
+    for test in ("matches_reference_fp32", "matches_reference_fp16"):
+        assert_fails_for(run, "kernels.softmax", test, "softmax(x):")
+        output = next(t["output"] for t in run.failures("kernels.softmax") if test in t["name"])
+        assert "expected output is not constant" in output or "got 0.5, expected 1" in output, output
     assert_router_unharmed(run)
 
 
@@ -67,7 +73,22 @@ def test_reference_can_be_neither_imported_nor_read():
     )
 
 
+def processes_with(marker: str) -> list[int]:
+    """Processes whose environment holds `marker` (ours alone, whatever else runs on the machine)."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue
+    return found
+
+
 def test_no_worker_outlives_the_run(tmp_path):
-    run_grader(impl_with_hostile_softmax(tmp_path, "hang"), "-k", "matches_reference_fp32", "--timeout-scale", "0.05")
-    leftover = subprocess.run(["pgrep", "-f", "grader.sandbox.worker"], capture_output=True, text=True)
-    assert leftover.stdout.strip() == "", f"worker processes left running: {leftover.stdout}"
+    marker = f"GRADER_TEST_RUN={uuid.uuid4().hex}"
+    name, value = marker.split("=")
+    run_grader(impl_with_hostile_softmax(tmp_path, "hang"), "-k", "matches_reference_fp32", "--timeout-scale", "0.05",
+               env={name: value})
+    time.sleep(0.5)
+    assert processes_with(marker) == [], "worker processes outlived the grading run"

@@ -7,6 +7,7 @@ explained from the progress files whichever launcher ran the ranks.
 
 - `LocalLauncher`: one process per rank on this machine (gloo on CPU; NCCL when every rank has a GPU).
 - `SubmititLauncher`: one job with a task per rank through submitit (its local executor, or Slurm).
+- `SrunLauncher`: inside a Slurm allocation, one job step whose tasks are the ranks.
 """
 
 from __future__ import annotations
@@ -132,7 +133,8 @@ def collect(run: Path, job: RankJob, exit_codes: dict[int, int | None], timed_ou
                 raise NotImplementedByStudent("not implemented")
             # A collective that fails because a peer left (connection reset, timeout) is explained by who got where.
             progress = {last_progress(run, r)[0] for r in range(job.world_size)}
-            mismatch = f"\nthe ranks disagree on collectives: {hang_diagnosis(run, job.world_size, set())}"
+            finished = {r for r, other in replies.items() if other["status"] == "ok"}
+            mismatch = f"\nthe ranks disagree on collectives: {hang_diagnosis(run, job.world_size, finished)}"
             raise StudentError(
                 f"rank {rank} of {job.world_size} raised {reply['message']}"
                 + (mismatch if len(progress) > 1 else "")
@@ -264,9 +266,42 @@ class SubmititLauncher:
             shutil.rmtree(run, ignore_errors=True)
 
 
-def launcher_for(name: str) -> LocalLauncher | SubmititLauncher:
+class SrunLauncher:
+    """Inside a Slurm allocation: the ranks are the tasks of one job step (`srun --ntasks=N`), reading SLURM_PROCID,
+    SLURM_NTASKS and SLURM_LOCALID. The allocation must hold at least N tasks on one node."""
+
+    name = "srun"
+
+    def run(self, job: RankJob) -> list:
+        run = prepare_run_dir(job, socket.gethostname())
+        env = student_environment()
+        for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
+            env.pop(variable, None)
+        command = [
+            "srun", f"--ntasks={job.world_size}", "--nodes=1", "--overlap", "--kill-on-bad-exit=0",
+            f"--job-name=ranks-{job.problem}", "--output", str(run / "rank%t.log"),
+            sys.executable, "-m", "grader.distributed.rank", str(run),
+        ]  # fmt: skip
+        step = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        try:
+            try:
+                step.wait(timeout=job.timeout_s)
+                timed_out = False
+            except subprocess.TimeoutExpired:
+                timed_out = True
+            return collect(run, job, {}, timed_out)
+        finally:
+            with _ignoring(ProcessLookupError):
+                os.killpg(step.pid, signal.SIGKILL)  # srun forwards the kill to every task of the step
+            step.wait()
+            shutil.rmtree(run, ignore_errors=True)
+
+
+def launcher_for(name: str) -> LocalLauncher | SubmititLauncher | SrunLauncher:
     if name == "local":
         return LocalLauncher()
     if name == "submitit":
         return SubmititLauncher("local")
-    raise ValueError(f"unknown launcher {name!r}: choose local or submitit")
+    if name == "srun":
+        return SrunLauncher()
+    raise ValueError(f"unknown launcher {name!r}: choose local, submitit or srun")

@@ -32,7 +32,8 @@ class Call:
     phase: str
 
 
-CALLS: list[Call] = []
+CALLS: list[Call] = []  # since the last reset(), for the program's checks
+_entered = 0  # every call of the rank's life, never reset: the progress file's sequence numbers
 _phase = "other"
 _progress = None
 
@@ -59,8 +60,10 @@ def phase(name: str):
 def _wrap(name: str, function):
     @functools.wraps(function)
     def recorded(*args, **kwargs):
+        global _entered
+        _entered += 1
         first = args[0] if args else next(iter(kwargs.values()), None)
-        call = Call(len(CALLS) + 1, name, tensor_bytes(first), bool(kwargs.get("async_op", False)), _phase)
+        call = Call(_entered, name, tensor_bytes(first), bool(kwargs.get("async_op", False)), _phase)
         CALLS.append(call)
         if _progress is not None:
             _progress.write(f"{call.seq} {name}\n")

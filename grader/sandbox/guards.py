@@ -29,12 +29,12 @@ class _BlockPackage(importlib.abc.MetaPathFinder):
         return None
 
 
-def block_reference(package_name: str, directory: Path) -> None:
-    """Refuse imports of the reference package and any file access below its directory, for the process' life.
-
-    The audit hook cannot be removed once added, so student code cannot undo it.
+def block_reference(package_name: str | None, directory: Path) -> None:
+    """Refuse imports of the reference package (by name, unless None) and any file access below its directory, for
+    the process' life. The audit hook cannot be removed once added, so student code cannot undo it.
     """
-    sys.meta_path.insert(0, _BlockPackage(package_name))
+    if package_name is not None:
+        sys.meta_path.insert(0, _BlockPackage(package_name))
     root = str(directory.resolve())
 
     def audit(event: str, args: tuple) -> None:

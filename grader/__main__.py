@@ -1,0 +1,96 @@
+"""Command line: `python -m grader submit` (one submission) and `python -m grader grade-all` (a whole class).
+
+Both run on Slurm through submitit when `sbatch` is on the PATH, and through submitit's local executor otherwise
+(`--executor` chooses explicitly).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from pathlib import Path
+
+from grader.cluster.jobs import ClusterOptions, default_executor
+
+
+def problem_selection(problems: str | None) -> tuple[list[str] | None, tuple[str, ...]]:
+    """`--problems kernels.softmax,parallel.ddp` -> those ids, and the pytest -k expression that selects them."""
+    if not problems:
+        return None, ()
+    ids = [p.strip() for p in problems.split(",") if p.strip()]
+    return ids, ("-k", " or ".join(i.replace(".", "_") for i in ids))
+
+
+def add_common(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--reference", default=os.environ.get("GRADER_REFERENCE", "reference"),
+                        help="the reference to grade against (a directory; env GRADER_REFERENCE)")
+    parser.add_argument("--profile", default="public", choices=("public", "grading", "ci"))
+    parser.add_argument("--executor", default=default_executor(), choices=("slurm", "local"),
+                        help="slurm when sbatch is found, else local (submitit's local executor)")
+    parser.add_argument("--partition", help="Slurm partition")
+    parser.add_argument("--gpus", type=int, default=0, help="GPUs per job (0: grade on CPUs, gloo ranks)")
+    parser.add_argument("--time-limit", type=int, default=60, help="minutes per grading job")
+    parser.add_argument("--problems", help="comma-separated problem ids to grade (default: all)")
+    parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply the grader's time limits")
+    parser.add_argument("--max-resubmissions", type=int, default=2,
+                        help="times a job ended by node failure or preemption is submitted again")
+
+
+def options_from(args: argparse.Namespace, problem_ids: list[str] | None, parallelism: int = 1) -> ClusterOptions:
+    return ClusterOptions(
+        executor=args.executor,
+        partition=args.partition,
+        gpus=args.gpus,
+        tasks=ClusterOptions.tasks_for(problem_ids),
+        time_limit_min=args.time_limit,
+        parallelism=parallelism,
+        max_resubmissions=args.max_resubmissions,
+    )
+
+
+def reference_path(value: str) -> str:
+    from grader.packages import resolve
+
+    return str(resolve(value, [str(Path.cwd()), str(Path(__file__).resolve().parent.parent)]).path)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m grader", description=__doc__.split("\n\n")[0])
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    submit_parser = commands.add_parser("submit", help="grade one submission as a cluster job")
+    submit_parser.add_argument("--impl", default="student_impl", help="the implementation to grade (a directory)")
+    submit_parser.add_argument("--results-json", default="results.json", help="where to save the results")
+    submit_parser.add_argument("--work-dir", default=os.path.expanduser("~/.cache/grader/submissions"),
+                               help="where snapshots and job folders go (must be visible to the cluster's nodes)")
+    add_common(submit_parser)
+
+    all_parser = commands.add_parser("grade-all", help="grade every submission of a class in one array job")
+    all_parser.add_argument("submissions", type=Path, help="a folder with one implementation folder per student")
+    all_parser.add_argument("--out", type=Path, required=True, help="results folder (re-runs grade what changed)")
+    all_parser.add_argument("--parallel", type=int, default=4, help="grading jobs running at once")
+    add_common(all_parser)
+
+    args = parser.parse_args(argv)
+    problem_ids, pytest_args = problem_selection(args.problems)
+    reference = reference_path(args.reference)
+    if args.command == "submit":
+        from grader.cluster.submit import exit_status, submit
+
+        result = submit(
+            Path(args.impl), reference, options_from(args, problem_ids), Path(args.work_dir),
+            Path(args.results_json), args.profile, pytest_args, args.timeout_scale,
+        )
+        return exit_status(result)
+    from grader.cluster.grade_all import grade_all
+
+    rows = grade_all(
+        args.submissions, args.out, reference, options_from(args, problem_ids, args.parallel), args.profile,
+        pytest_args, args.timeout_scale,
+    )
+    return 0 if all(row["status"] == "graded" for row in rows) else 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

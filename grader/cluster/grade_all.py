@@ -1,0 +1,157 @@
+"""`python -m grader grade-all`: every submission of a class in one array job, then a class CSV and a summary.
+
+Layout of the output folder, per student: `<student>/results.json` (Gradescope format), `<student>/submission.sha256`
+(the hash of what was graded) or `<student>/not_graded.txt`, and `<student>/runs/<run>/` (snapshot, job folder).
+Re-running grades only the submissions without results or whose content changed.
+"""
+
+from __future__ import annotations
+
+import csv
+import json
+import shutil
+import statistics
+from dataclasses import dataclass
+from pathlib import Path
+
+from assignment.registry import PROBLEMS
+from grader.cluster.grading_job import GradingRequest, run_grading
+from grader.cluster.jobs import ClusterOptions, Outcome, make_executor, new_folder, outcome, wait
+from grader.cluster.snapshot import snapshot, tree_hash
+
+
+@dataclass
+class Submission:
+    student: str
+    source: Path
+    out: Path  # the student's folder in the output
+
+    @property
+    def results(self) -> Path:
+        return self.out / "results.json"
+
+    @property
+    def hash_file(self) -> Path:
+        return self.out / "submission.sha256"
+
+    @property
+    def not_graded(self) -> Path:
+        return self.out / "not_graded.txt"
+
+    def up_to_date(self) -> bool:
+        return self.results.exists() and self.hash_file.exists() and self.hash_file.read_text() == tree_hash(self.source)
+
+
+def submissions_in(directory: Path, out: Path) -> list[Submission]:
+    return [
+        Submission(path.name, path, out / path.name)
+        for path in sorted(directory.iterdir())
+        if path.is_dir() and not path.name.startswith(".")
+    ]
+
+
+def record(submission: Submission, graded_hash: str, result: Outcome, results_path: Path) -> None:
+    submission.out.mkdir(parents=True, exist_ok=True)
+    submission.results.unlink(missing_ok=True)
+    submission.hash_file.unlink(missing_ok=True)
+    submission.not_graded.unlink(missing_ok=True)
+    if result.graded:
+        shutil.copy(results_path, submission.results)
+        submission.hash_file.write_text(graded_hash)
+    else:
+        submission.not_graded.write_text(result.reason + "\n")
+
+
+def grade(submissions: list[Submission], reference: str, options: ClusterOptions, out: Path, profile: str,
+          pytest_args: tuple[str, ...], timeout_scale: float, report) -> None:
+    """One array job over the submissions; node failures and preemptions are resubmitted, a bounded number of times."""
+    for round_number in range(1 + options.max_resubmissions):
+        if not submissions:
+            return
+        requests, hashes = [], []
+        for submission in submissions:
+            run_dir = new_folder(submission.out / "runs", "run")
+            hashes.append(tree_hash(submission.source))
+            requests.append(GradingRequest(
+                impl=str(snapshot(submission.source, run_dir / submission.source.name)),
+                reference=reference,
+                results_json=str(run_dir / "results.json"),
+                profile=profile,
+                pytest_args=pytest_args,
+                timeout_scale=timeout_scale,
+            ))
+        executor = make_executor(options, new_folder(out / ".jobs", "array"))
+        jobs = executor.map_array(run_grading, requests)
+        report(f"submitted {len(jobs)} submissions as one array job ({options.executor}), "
+               f"at most {options.parallelism} at once")
+        wait(jobs, options, report=report)
+        again = []
+        for submission, job, request, graded_hash in zip(submissions, jobs, requests, hashes):
+            result = outcome(job, Path(request.results_json))
+            if result.resubmittable and round_number < options.max_resubmissions:
+                report(f"{submission.student}: {result.reason}: resubmitting")
+                again.append(submission)
+                continue
+            record(submission, graded_hash, result, Path(request.results_json))
+            report(f"{submission.student}: " + (f"graded, {result.results['score']:g} points" if result.graded
+                                                 else f"not graded: {result.reason}"))
+        submissions = again
+
+
+def points_by_problem(results: dict) -> dict[str, float]:
+    points = {problem.id: 0.0 for problem in PROBLEMS}
+    for test in results["tests"]:
+        problem_id = test["name"].split(" :: ")[0]
+        points[problem_id] = points.get(problem_id, 0.0) + test["score"]
+    return points
+
+
+def write_class_csv(submissions: list[Submission], out: Path) -> list[dict]:
+    rows = []
+    for submission in submissions:
+        row = {"student": submission.student}
+        if submission.results.exists() and not submission.not_graded.exists():
+            results = json.loads(submission.results.read_text())
+            row.update({pid: f"{pts:g}" for pid, pts in points_by_problem(results).items()})
+            row["total"] = f"{results['score']:g}"
+            row["status"] = "graded"
+        else:
+            reason = submission.not_graded.read_text().strip() if submission.not_graded.exists() else "no result"
+            row.update({problem.id: "" for problem in PROBLEMS})
+            row["total"] = ""
+            row["status"] = f"not graded: {reason}"
+        rows.append(row)
+    with open(out / "class.csv", "w", newline="") as handle:
+        writer = csv.DictWriter(handle, fieldnames=["student", *(p.id for p in PROBLEMS), "total", "status"])
+        writer.writeheader()
+        writer.writerows(rows)
+    return rows
+
+
+def summary(rows: list[dict]) -> str:
+    graded = [r for r in rows if r["status"] == "graded"]
+    lines = [f"{len(rows)} submissions: {len(graded)} graded, {len(rows) - len(graded)} not graded"]
+    if graded:
+        totals = [float(r["total"]) for r in graded]
+        lines.append(f"total: mean {statistics.mean(totals):.2f}, median {statistics.median(totals):.2f}, "
+                     f"min {min(totals):g}, max {max(totals):g}")
+        for problem in PROBLEMS:
+            scores = [float(r[problem.id]) for r in graded]
+            lines.append(f"{problem.id}: mean {statistics.mean(scores):.2f} of {problem.max_points:g}")
+    lines += [f"{r['student']}: {r['status']}" for r in rows if r["status"] != "graded"]
+    return "\n".join(lines)
+
+
+def grade_all(submissions_dir: Path, out: Path, reference: str, options: ClusterOptions, profile: str = "public",
+              pytest_args: tuple[str, ...] = (), timeout_scale: float = 1.0, report=print) -> list[dict]:
+    out.mkdir(parents=True, exist_ok=True)
+    submissions = submissions_in(submissions_dir, out)
+    stale = [s for s in submissions if not s.up_to_date()]
+    report(f"{len(submissions)} submissions, {len(submissions) - len(stale)} already graded and unchanged")
+    grade(stale, reference, options, out, profile, pytest_args, timeout_scale, report)
+    rows = write_class_csv(submissions, out)
+    text = summary(rows)
+    (out / "summary.txt").write_text(text + "\n")
+    report(text)
+    report(f"class table: {out / 'class.csv'}")
+    return rows

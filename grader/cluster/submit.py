@@ -1,0 +1,86 @@
+"""`python -m grader submit`: grade one submission as a cluster job and print the same score table as `pytest grader`."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from grader.cluster.grading_job import GradingRequest, run_grading
+from grader.cluster.jobs import ClusterOptions, Outcome, make_executor, new_folder, outcome, wait
+from grader.cluster.snapshot import snapshot
+
+
+def tail_printer(path_of, report):
+    """Prints the lines a job's log gained since the last call: the grader's progress while the job runs."""
+    printed = {"bytes": 0}
+
+    def show(message: str = "") -> None:
+        if message:
+            report(message)
+        try:
+            with open(path_of(), "rb") as log:
+                log.seek(printed["bytes"])
+                new = log.read()
+        except OSError:
+            return
+        printed["bytes"] += len(new)
+        for line in new.decode(errors="replace").splitlines():
+            report(f"  | {line}")
+
+    return show
+
+
+def submit(
+    impl: Path,
+    reference: str,
+    options: ClusterOptions,
+    work_dir: Path,
+    results_json: Path,
+    profile: str = "public",
+    pytest_args: tuple[str, ...] = (),
+    timeout_scale: float = 1.0,
+    report=print,
+) -> Outcome:
+    """Snapshot `impl`, grade it in a job (resubmitting after node failures or preemption), save its results."""
+    attempt = Outcome(False, "NOT_SUBMITTED", "not submitted")
+    for _ in range(1 + options.max_resubmissions):
+        run_dir = new_folder(work_dir, impl.resolve().name)
+        request = GradingRequest(
+            impl=str(snapshot(impl, run_dir / impl.resolve().name)),
+            reference=reference,
+            results_json=str(run_dir / "results.json"),
+            profile=profile,
+            pytest_args=pytest_args,
+            timeout_scale=timeout_scale,
+        )
+        executor = make_executor(options, run_dir / "submitit")
+        job = executor.submit(run_grading, request)
+        report(f"submitted {impl} as job {job.job_id} ({options.executor}); work folder {run_dir}")
+        show = tail_printer(lambda: job.paths.stdout, report)
+        try:
+            wait([job], options, report=lambda message: show(message))
+        except KeyboardInterrupt:
+            job.cancel(check=False)
+            report(f"cancelled job {job.job_id}")
+            return Outcome(False, "CANCELLED", "cancelled from the keyboard: not graded")
+        show()
+        attempt = outcome(job, Path(request.results_json))
+        if not attempt.resubmittable:
+            break
+        report(f"{attempt.reason}: resubmitting")
+    if attempt.graded:
+        results_json.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(Path(request.results_json), results_json)
+        report(attempt.results["output"])
+        report(f"results saved to {results_json}")
+    else:
+        report(f"not graded: {attempt.reason}")
+    return attempt
+
+
+def exit_status(result: Outcome) -> int:
+    """0 when graded with full marks, 1 when graded with any loss, 2 when not graded."""
+    if not result.graded:
+        return 2
+    tests = result.results["tests"]
+    return 0 if all(t.get("status", "passed") == "passed" for t in tests) else 1
