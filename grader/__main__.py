@@ -14,12 +14,16 @@ from pathlib import Path
 from grader.cluster.jobs import ClusterOptions, default_executor
 
 
-def problem_selection(problems: str | None) -> tuple[list[str] | None, tuple[str, ...]]:
-    """`--problems kernels.softmax,parallel.ddp` -> those ids, and the pytest -k expression that selects them."""
-    if not problems:
-        return None, ()
-    ids = [p.strip() for p in problems.split(",") if p.strip()]
-    return ids, ("-k", " or ".join(i.replace(".", "_") for i in ids))
+def problem_selection(problems: str | None, select: str | None) -> tuple[list[str] | None, tuple[str, ...]]:
+    """`--problems kernels.softmax,parallel.ddp` -> those ids, and the pytest -k expression that selects them (and
+    the tests matching `--select`, a further -k expression)."""
+    ids = [p.strip() for p in problems.split(",") if p.strip()] if problems else None
+    clauses = []
+    if ids:
+        clauses.append(" or ".join(i.replace(".", "_") for i in ids))
+    if select:
+        clauses.append(select)
+    return ids, ("-k", " and ".join(f"({c})" for c in clauses)) if clauses else ()
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
@@ -32,6 +36,7 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--gpus", type=int, default=0, help="GPUs per job (0: grade on CPUs, gloo ranks)")
     parser.add_argument("--time-limit", type=int, default=60, help="minutes per grading job")
     parser.add_argument("--problems", help="comma-separated problem ids to grade (default: all)")
+    parser.add_argument("--select", help="grade only the tests matching this pytest -k expression")
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply the grader's time limits")
     parser.add_argument("--max-resubmissions", type=int, default=2,
                         help="times a job ended by node failure or preemption is submitted again")
@@ -73,7 +78,7 @@ def main(argv: list[str] | None = None) -> int:
     add_common(all_parser)
 
     args = parser.parse_args(argv)
-    problem_ids, pytest_args = problem_selection(args.problems)
+    problem_ids, pytest_args = problem_selection(args.problems, args.select)
     reference = reference_path(args.reference)
     if args.command == "submit":
         from grader.cluster.submit import exit_status, submit

@@ -20,6 +20,9 @@ from tests.grading import ROOT, run_grader
 
 HOSTILE = Path(__file__).resolve().parent / "hostile"
 FAST = ("--profile", "ci", "--problems", "kernels.softmax,moe.router")
+# One softmax test and the router: a hanging softmax then costs one call limit (15 s at this scale), and correct code
+# keeps a comfortable margin on a loaded two-core machine.
+HOSTILE_RUN = (*FAST, "--select", "matches_reference_fp32 or router", "--timeout-scale", "0.25")
 
 
 def cluster_is_up() -> bool:
@@ -78,7 +81,7 @@ def test_two_rank_problem_runs_as_two_slurm_tasks(slurm, tmp_path):
     impl = submission(tmp_path, "bob", "reference")
     done = grader_cli("submit", "--impl", str(impl), "--executor", "slurm", "--work-dir", str(tmp_path / "work"),
                       "--results-json", str(tmp_path / "results.json"), "--profile", "ci",
-                      "--problems", "parallel.ddp")
+                      "--problems", "parallel.ddp", "--select", "broadcast")
     assert done.returncode == 0, done.stdout + done.stderr
     steps = subprocess.run(["sacct", "-j", job_id(done.stdout), "-n", "-P", "--format=JobName,NTasks"],
                            capture_output=True, text=True).stdout.splitlines()
@@ -90,7 +93,7 @@ def test_two_rank_problem_runs_as_two_slurm_tasks(slurm, tmp_path):
 def test_hanging_test_times_out_and_the_rest_is_graded(slurm, tmp_path):
     impl = submission(tmp_path, "carol", "reference", softmax="hang")
     done = grader_cli("submit", "--impl", str(impl), "--executor", "slurm", "--work-dir", str(tmp_path / "work"),
-                      "--results-json", str(tmp_path / "results.json"), "--timeout-scale", "0.05", *FAST)
+                      "--results-json", str(tmp_path / "results.json"), *HOSTILE_RUN)
     assert done.returncode == 1, done.stdout + done.stderr
     assert re.search(r"kernels\.softmax\s+timed out", done.stdout)
     assert re.search(r"moe\.router\s+passed\s+20/20", done.stdout)
@@ -104,13 +107,12 @@ def test_grade_all_builds_the_class_table(slurm, tmp_path):
     submission(tmp_path, "crashing", "reference", softmax="segfault")
     submission(tmp_path, "hanging", "reference", softmax="hang")
     out = tmp_path / "out"
-    args = ("grade-all", str(submissions), "--out", str(out), "--executor", "slurm", "--parallel", "2",
-            "--timeout-scale", "0.05", *FAST)
+    args = ("grade-all", str(submissions), "--out", str(out), "--executor", "slurm", "--parallel", "2", *HOSTILE_RUN)
     done = grader_cli(*args)
     assert done.returncode == 0, done.stdout + done.stderr
     rows = {row["student"]: row for row in csv.DictReader(open(out / "class.csv"))}
-    expected = {  # (softmax, router, total) for the selected problems; parallel.ddp was not selected
-        "complete": ("16", "20", "36"), "partial": ("0", "20", "20"), "empty": ("0", "0", "0"),
+    expected = {  # (softmax, router, total) for the selected tests: softmax's fp32 test (5 points) and the router
+        "complete": ("5", "20", "25"), "partial": ("0", "20", "20"), "empty": ("0", "0", "0"),
         "crashing": ("0", "20", "20"), "hanging": ("0", "20", "20"),
     }
     for student, (softmax, router, total) in expected.items():
@@ -126,7 +128,7 @@ def test_grade_all_builds_the_class_table(slurm, tmp_path):
     changed = grader_cli(*args)
     assert "5 submissions, 4 already graded and unchanged" in changed.stdout
     rows = {row["student"]: row for row in csv.DictReader(open(out / "class.csv"))}
-    assert rows["partial"]["total"] == "36"
+    assert rows["partial"]["total"] == "25"
 
 
 def test_cancelled_job_is_not_graded_quickly(slurm, tmp_path):

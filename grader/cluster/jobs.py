@@ -64,10 +64,11 @@ def make_executor(options: ClusterOptions, folder: Path) -> submitit.Executor:
     executor = submitit.AutoExecutor(folder=folder, cluster=options.executor)
     parameters = dict(timeout_min=options.time_limit_min, nodes=1, tasks_per_node=1)
     if options.executor == "slurm":
-        # One process runs pytest; the allocation holds a task per rank, which srun steps use for parallel problems.
+        # The allocation holds a task per rank, which srun job steps use for parallel problems; without submitit's
+        # srun, one process (pytest) runs in it.
         parameters.update(
+            tasks_per_node=options.tasks,
             slurm_use_srun=False,
-            slurm_additional_parameters={"ntasks": options.tasks},
             slurm_array_parallelism=options.parallelism,
         )
         if options.partition:
@@ -82,12 +83,29 @@ def new_folder(parent: Path, prefix: str) -> Path:
     return parent / f"{prefix}-{time.strftime('%Y%m%d-%H%M%S')}-{uuid.uuid4().hex[:8]}"
 
 
-def state_of(job: submitit.Job) -> str:
-    """The job's state as one word (Slurm writes e.g. "CANCELLED by 0")."""
+UNSETTLED_STATES = ("UNKNOWN", "PENDING", "RUNNING", "REQUEUED", "CONFIGURING", "COMPLETING", "SUSPENDED", "RESIZING")
+SETTLE_S = 30.0
+
+
+def state_of(job: submitit.Job, fresh: bool = False) -> str:
+    """The job's state as one word (Slurm writes e.g. "CANCELLED by 0"); `fresh` asks the scheduler now rather than
+    reading submitit's cache, which lags by seconds."""
     try:
+        if fresh and isinstance(job, submitit.SlurmJob):
+            return job.get_info(mode="force").get("State", "UNKNOWN").split()[0].upper()
         return job.state.split()[0].upper()
     except Exception:  # noqa: BLE001 - the scheduler may not answer; the caller keeps waiting within its limit
         return "UNKNOWN"
+
+
+def final_state(job: submitit.Job) -> str:
+    """The state once the scheduler has settled it: a job can be done (its process gone) a moment before that."""
+    deadline = time.monotonic() + SETTLE_S
+    state = state_of(job, fresh=True)
+    while state in UNSETTLED_STATES and time.monotonic() < deadline:
+        time.sleep(POLL_S)
+        state = state_of(job, fresh=True)
+    return state
 
 
 @dataclass
@@ -103,7 +121,7 @@ class Outcome:
 
 
 def outcome(job: submitit.Job, results_path: Path) -> Outcome:
-    state = state_of(job)
+    state = state_of(job) if results_path.exists() else final_state(job)
     if results_path.exists():
         try:
             return Outcome(True, state, results=json.loads(results_path.read_text()))
