@@ -19,8 +19,12 @@ class SpeedThreshold:
     """Points for speed, by the ratio student_time / reference_time measured in one run on one GPU."""
 
     shapes: tuple[tuple[int, ...], ...]
+    dtypes: tuple[str, ...] = ("float32", "bfloat16")
     # (max ratio, fraction of the speed points) from the strictest tier to the loosest.
     tiers: tuple[tuple[float, float], ...] = ((1.25, 1.0), (2.0, 0.5))
+
+    def cases(self) -> list[tuple[tuple[int, ...], str]]:
+        return [(shape, dtype) for shape in self.shapes for dtype in self.dtypes]
 
 
 @dataclass(frozen=True)
@@ -81,8 +85,63 @@ PROBLEMS: tuple[Problem, ...] = (
             "long_rows": 4,
             "large_magnitudes": 3,
             "invalid_arguments": 1,
+            "speed": 4,
         },
         budgets={"ci": 6, "public": 25, "grading": 150},
+        speed=SpeedThreshold(shapes=((8192, 4096), (4096, 32768))),
+    ),
+    Problem(
+        id="kernels.gelu",
+        title="GeLU in Triton",
+        points={
+            "matches_reference_fp32": 4,
+            "matches_reference_fp16": 2,
+            "matches_reference_bf16": 2,
+            "extreme_values": 2,
+            "invalid_arguments": 1,
+        },
+        budgets={"ci": 6, "public": 25, "grading": 150},
+    ),
+    Problem(
+        id="kernels.row_sum",
+        title="Row sums in Triton",
+        points={
+            "matches_reference_fp32": 4,
+            "matches_reference_fp16": 2,
+            "matches_reference_bf16": 2,
+            "long_rows": 3,
+            "invalid_arguments": 1,
+        },
+        budgets={"ci": 6, "public": 25, "grading": 150},
+    ),
+    Problem(
+        id="kernels.matmul",
+        title="Tiled matrix multiplication in Triton",
+        points={
+            "matches_reference_fp32": 4,
+            "matches_reference_fp16": 4,
+            "matches_reference_bf16": 2,
+            "k_remainder": 3,
+            "gelu_epilogue": 3,
+            "invalid_arguments": 1,
+        },
+        budgets={"ci": 5, "public": 20, "grading": 120},
+        # A lower floor than the default: at GPU sizes (K in the thousands) it separates an fp16 accumulator (about
+        # 1.3 ulps of the output's scale) from fp32 accumulation.
+        floor_ulps=2.0,
+    ),
+    Problem(
+        id="kernels.rmsnorm",
+        title="RMSNorm forward and backward in Triton",
+        points={
+            "forward_fp32": 4,
+            "forward_fp16": 2,
+            "forward_bf16": 2,
+            "backward_fp32": 5,
+            "backward_fp16": 2,
+            "invalid_arguments": 1,
+        },
+        budgets={"ci": 5, "public": 20, "grading": 120},
     ),
     Problem(
         id="moe.router",

@@ -21,6 +21,8 @@ from grader.sandbox.client import Sandbox
 from grader.scoring import TestResult, by_problem, classify
 
 RESULTS = pytest.StashKey[dict]()
+# A test that earns part of its points (speed tiers) says so through the `partial_credit` fixture.
+PARTIAL = pytest.StashKey[tuple[float, str]]()
 GROUP_SIZES = pytest.StashKey[dict]()
 STARTED = pytest.StashKey[float]()
 
@@ -37,6 +39,7 @@ __all__ = [
     "student",
     "ranks",
     "student_presence_and_budget",
+    "partial_credit",
 ]
 
 
@@ -173,6 +176,16 @@ def ranks(request: pytest.FixtureRequest, problem: Problem) -> Ranks:
     return Ranks(problem, launcher_for(config.getoption("--launcher")), config.getoption("--timeout-scale"))
 
 
+@pytest.fixture
+def partial_credit(request: pytest.FixtureRequest):
+    """Call with (fraction of the test's points earned, why) before the test ends."""
+
+    def award(fraction: float, why: str) -> None:
+        request.node.stash[PARTIAL] = (fraction, why)
+
+    return award
+
+
 @pytest.fixture(autouse=True)
 def student_presence_and_budget(request: pytest.FixtureRequest) -> None:
     problem = problem_of(request.node)
@@ -207,6 +220,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         return
     share = problem.points[group_of(item)] / item.config.stash[GROUP_SIZES][(problem.id, group_of(item))]
     result = TestResult(item.nodeid, problem, group_of(item), share, duration_s=report.duration)
+    if report.passed and PARTIAL in item.stash:
+        result.fraction, result.message = item.stash[PARTIAL]
     if report.skipped:
         result.status = "skipped"
         result.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)

@@ -20,10 +20,11 @@ class TestResult:
     status: str = "passed"
     message: str = ""
     duration_s: float = 0.0
+    fraction: float = 1.0  # of the share a passed test earns: below 1 for a speed test in a lower tier
 
     @property
     def score(self) -> float:
-        return self.share if self.status == "passed" else 0.0
+        return self.share * self.fraction if self.status == "passed" else 0.0
 
     @property
     def max_score(self) -> float:
@@ -76,7 +77,8 @@ class ProblemScore:
             for result in self.results:
                 if result.status == status:
                     return result.short_reason
-        return ""
+        partial = [r for r in self.results if r.status == "passed" and r.fraction < 1]
+        return partial[0].short_reason if partial else ""
 
 
 def by_problem(results: list[TestResult]) -> list[ProblemScore]:

@@ -9,9 +9,10 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.context import current
-from grader.marks import bf16_gpu_only
+from grader.marks import bf16_gpu_only, gpu_only
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
+from grader.speed import SpeedSpec, grade_speed
 from grader.strategies import TensorCase, dims, leading_shapes, size_scale, tensor_cases
 
 PROBLEM = BY_ID["kernels.softmax"]
@@ -97,3 +98,17 @@ def test_invalid_arguments(student, make_input, expected_error):
     if raised is None or expected_error not in raised.type_names:
         got = f"it raised {raised.raised}" if raised else "it returned normally"
         raise WrongAnswer(f"softmax(x) for x of shape {tuple(x.shape)} and {x.dtype} must raise {expected_error}; {got}")
+
+
+def speed_inputs(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple[torch.Tensor]:
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=generator, device=device, dtype=getattr(torch, dtype)),)
+
+
+SPEED = SpeedSpec("softmax", baseline=lambda x: torch.softmax(x, dim=-1), inputs=speed_inputs)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
+def test_speed(student, reference, partial_credit, case):
+    grade_speed(SPEED, student, reference, case, PROBLEM.speed, partial_credit)

@@ -160,13 +160,31 @@ class Sandbox:
         reply = self.request(
             {"op": "call", "function": function, "args": list(args), "kwargs": kwargs, "grad": grad}, what
         )
+        self.enforce_rules(reply, what)
+        return reply
+
+    def enforce_rules(self, reply: dict, what: str) -> None:
         if reply["forbidden"]:
             raise RuleViolation(
                 f"{what} called {', '.join(reply['forbidden'])}: this problem is to reimplement that operator"
             )
         if self.uses_triton and not reply["launches"]:
             raise RuleViolation(f"{what} launched no Triton kernel: the work must be done by your Triton kernel")
-        return reply
+
+    def time_call(self, function: str, inputs: str, case: tuple, seed: int, check_rules: bool) -> float:
+        """Milliseconds of one GPU call of the student's function on inputs `inputs(*case, seed=seed)`; with
+        check_rules, the call is also watched for forbidden operators and Triton launches (which slows it)."""
+        what = f"{function}()"
+        reply = self.request(
+            {"op": "time", "function": function, "inputs": inputs, "case": list(case), "seed": seed,
+             "check_rules": check_rules},
+            what,
+        )
+        self.enforce_rules(reply, what)
+        return reply["value"]
+
+    def sample_last_output(self, seed: int):
+        return self.request({"op": "sample", "seed": seed}, "sampling the timed output")["value"]
 
     def raises(self, function: str, *args, **kwargs) -> StudentError | None:
         """What the student's `function(*args, **kwargs)` raised (None if it returned)."""

@@ -19,6 +19,7 @@ from pathlib import Path
 import torch
 
 from grader.packages import PackageSpec, load_problem_module
+from grader import timing
 from grader.sandbox import guards
 from grader.sandbox.wire import decode, encode, to_plain
 
@@ -66,6 +67,8 @@ class Worker:
             # By name too, unless the graded package has the reference's name (a copy of it, say).
             guards.block_reference(reference.name if reference.name != impl.name else None, reference.path)
         self.impl_dir = impl.path
+        self.timer = None
+        self.last_output = None
         self.module = load_problem_module(impl, start["problem"])
 
     def call(self, request: dict):
@@ -104,6 +107,34 @@ class Worker:
         if pairs:
             torch.autograd.backward([o for o, _ in pairs], [u for _, u in pairs])
         return [None if args[i].grad is None else args[i].grad.detach() for i in grad["inputs"]]
+
+    def time(self, request: dict):
+        """Time one call of the student's function on inputs built by a grader program; keep the output to sample."""
+        module_name, _, function_name = request["inputs"].partition(":")
+        make_inputs = getattr(importlib.import_module(module_name), function_name)
+        args = make_inputs(*request["case"], seed=request["seed"], device=torch.device("cuda"))
+        function = getattr(self.module, request["function"])
+        if self.timer is None:
+            self.timer = timing.Timer(torch.device("cuda"))
+        if not request["check_rules"]:
+            # Timed calls run bare: the operator recorder's Python overhead would delay the launch and count as
+            # kernel time. The rules are checked on the untimed warm-up calls (and in every correctness test).
+            milliseconds, self.last_output = self.timer.time_ms(function, args)
+            return {"status": "ok", "value": milliseconds, "launches": ["(not recorded)"], "forbidden": []}
+        if self.launches is not None:
+            self.launches.reset()
+        recorder = guards.ForbiddenOpRecorder(self.forbidden_ops)
+        with recorder:
+            milliseconds, self.last_output = self.timer.time_ms(function, args)
+        return {
+            "status": "ok",
+            "value": milliseconds,
+            "launches": list(self.launches.names) if self.launches is not None else [],
+            "forbidden": recorder.seen,
+        }
+
+    def sample(self, request: dict):
+        return {"status": "ok", "value": timing.sample(self.last_output, request["seed"])}
 
     def program(self, request: dict):
         module_name, _, function_name = request["target"].partition(":")

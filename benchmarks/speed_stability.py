@@ -1,0 +1,68 @@
+"""How stable the speed verdicts are: the reference graded against itself, many times, on one GPU.
+
+    python benchmarks/speed_stability.py [--runs 20]
+
+For every problem with speed thresholds and every benchmark case, the reference is timed as if it were a student's
+submission (in a worker process, exactly as `pytest grader` does) against itself, `--runs` times. Each run's ratio
+should be near 1 and its tier the top one; a run in any other tier is a verdict that would flip. Writes
+benchmarks/results/speed_stability.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import platform
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import torch  # noqa: E402
+import triton  # noqa: E402
+
+from assignment.registry import PROBLEMS  # noqa: E402
+from grader import profiles  # noqa: E402
+from grader.packages import load_problem_module, resolve  # noqa: E402
+from grader.sandbox.client import Sandbox  # noqa: E402
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--runs", type=int, default=20)
+    args = parser.parse_args()
+    profiles.load("public")
+    reference = resolve(str(ROOT / "reference"))
+    lines = ["| problem | case | ratios (min / median / max) | runs not in the top tier |", "| --- | --- | --- | --- |"]
+    flips = 0
+    for problem in (p for p in PROBLEMS if p.speed is not None):
+        test_module = importlib.import_module(problem.test_module.removesuffix(".py").replace("/", "."))
+        reference_module = load_problem_module(reference, problem.id)
+        sandbox = Sandbox(problem.id, reference, reference, call_timeout_s=600,
+                          forbidden_ops=getattr(test_module, "FORBIDDEN_OPS", ()),
+                          uses_triton=getattr(test_module, "USES_TRITON", False))
+        try:
+            for case in problem.speed.cases():
+                verdicts = [test_module.SPEED.run(sandbox, reference_module, case, problem.speed, seed=run)
+                            for run in range(args.runs)]
+                ratios = sorted(v.ratio for v in verdicts)
+                off_top = sum(v.fraction != problem.speed.tiers[0][1] for v in verdicts)
+                flips += off_top
+                lines.append(f"| {problem.id} | {case[0]} {case[1]} | {ratios[0]:.3f} / "
+                             f"{ratios[len(ratios) // 2]:.3f} / {ratios[-1]:.3f} | {off_top} of {args.runs} |")
+                print(lines[-1], flush=True)
+        finally:
+            sandbox.stop()
+    versions = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
+                f"python {platform.python_version()}")
+    report = "\n".join(["# Speed verdicts of the reference against itself", "", versions, "", *lines, "",
+                        f"verdicts that would flip: {flips}", ""])
+    print(report)
+    (ROOT / "benchmarks" / "results").mkdir(exist_ok=True)
+    (ROOT / "benchmarks" / "results" / "speed_stability.md").write_text(report)
+    sys.exit(1 if flips else 0)
+
+
+if __name__ == "__main__":
+    main()

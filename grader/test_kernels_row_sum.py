@@ -1,0 +1,115 @@
+"""Grading kernels.row_sum: the sum over the last dimension, in Triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close
+from grader.context import current
+from grader.marks import bf16_gpu_only
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+from grader.strategies import TensorCase, dims, leading_shapes, size_scale, tensor_cases
+
+PROBLEM = BY_ID["kernels.row_sum"]
+USES_TRITON = True
+# One packet: Tensor.sum(), torch.sum(x, dim) and the dtype= forms all dispatch to overloads of aten.sum.
+FORBIDDEN_OPS = ("aten.sum",)
+
+# Sums of 1e4-magnitude values overflow float16 (max 65504) after a few dozen elements.
+LOW_PRECISION_REGIMES = ("normal", "ties", "tiny")
+
+
+def row_shapes(max_cols: int, max_rows: int = 12) -> st.SearchStrategy[tuple[int, ...]]:
+    return st.tuples(leading_shapes(max_rows), dims(max_cols)).map(lambda parts: (*parts[0], parts[1]))
+
+
+def floor_ulps_of_abs_sums(x64: torch.Tensor, expected64: torch.Tensor) -> float:
+    """The registry's floor, taken relative to the largest sum of |x| over a row and expressed in ulps of the largest
+    |row sum| (assert_close's scale).
+
+    A float32 sum in any order errs by a few eps times the sum of the magnitudes it adds, not of the result: a row
+    whose terms cancel (a sum near 0) would otherwise demand that the student add in the reference's order.
+    """
+    output_scale = float(expected64.abs().max())
+    if output_scale == 0.0:
+        return PROBLEM.floor_ulps  # every row sums to 0 in float64: no floor is added, whatever its size
+    abs_sum_scale = float(x64.abs().sum(dim=-1).max())
+    return PROBLEM.floor_ulps * max(1.0, abs_sum_scale / output_scale)
+
+
+def check(student, reference, case: TensorCase) -> None:
+    x = case.make(current().device)
+    with student.describing(case.describe()):
+        actual = student.call("row_sum", x)
+    expected64 = reference.row_sum_torch(x.double())
+    floor_ulps = floor_ulps_of_abs_sums(x.double().cpu(), expected64.cpu())
+    context = case.describe()
+    if floor_ulps != PROBLEM.floor_ulps:
+        context += f"; the floor is {PROBLEM.floor_ulps:g} ulp of the largest row sum of |x|"
+    assert_close(
+        actual,
+        expected64,
+        reference.row_sum(x),
+        what="row_sum(x)",
+        context=context,
+        multiple=PROBLEM.error_multiple,
+        floor_ulps=floor_ulps,
+    )
+
+
+@examples(PROBLEM)
+@given(case=tensor_cases(row_shapes(160 * size_scale()), torch.float32))
+def test_matches_reference_fp32(student, reference, case):
+    check(student, reference, case)
+
+
+@examples(PROBLEM)
+@given(case=tensor_cases(row_shapes(160 * size_scale()), torch.float16, regimes=LOW_PRECISION_REGIMES))
+def test_matches_reference_fp16(student, reference, case):
+    check(student, reference, case)
+
+
+@bf16_gpu_only
+@examples(PROBLEM)
+@given(case=tensor_cases(row_shapes(160 * size_scale()), torch.bfloat16, regimes=LOW_PRECISION_REGIMES))
+def test_matches_reference_bf16(student, reference, case):
+    check(student, reference, case)
+
+
+@examples(PROBLEM, 0.5)
+@given(
+    case=tensor_cases(
+        # 10k to 40k columns under `ci`, 160k and more on a GPU: many blocks, and almost never a whole number of them.
+        st.tuples(leading_shapes(3, max_dims=2), st.integers(10_000 * size_scale(), 40_000 * size_scale())).map(
+            lambda parts: (*parts[0], parts[1])
+        ),
+        torch.float32,
+        regimes=("normal", "large"),
+    )
+)
+def test_long_rows(student, reference, case):
+    """Rows far longer than one block: 100k+ columns on a GPU (fewer under the interpreter)."""
+    check(student, reference, case)
+
+
+INVALID = [
+    pytest.param(lambda device: torch.tensor(1.0, device=device), "ValueError", id="zero-dim"),
+    pytest.param(lambda device: torch.ones(3, 0, device=device), "ValueError", id="empty-rows"),
+    pytest.param(lambda device: torch.ones(3, 4, dtype=torch.int32, device=device), "TypeError", id="int32"),
+    pytest.param(lambda device: torch.ones(3, 4, dtype=torch.float64, device=device), "TypeError", id="float64"),
+]
+
+
+@pytest.mark.parametrize("make_input, expected_error", INVALID)
+def test_invalid_arguments(student, make_input, expected_error):
+    x = make_input(current().device)
+    raised = student.raises("row_sum", x)
+    if raised is None or expected_error not in raised.type_names:
+        got = f"it raised {raised.raised}" if raised else "it returned normally"
+        raise WrongAnswer(
+            f"row_sum(x) for x of shape {tuple(x.shape)} and {x.dtype} must raise {expected_error}; {got}"
+        )

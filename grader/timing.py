@@ -1,0 +1,44 @@
+"""Timing one kernel call on a GPU, the same way for the student (in its worker) and the reference (in the grader).
+
+Each call gets inputs of its own and a cold L2 (a large buffer is rewritten first), and is timed with CUDA events.
+The event functions are bound when this module is imported, before any student module, so a student module that
+replaces torch.cuda.Event or its methods afterwards does not change the measurement.
+"""
+
+from __future__ import annotations
+
+import torch
+
+_Event = torch.cuda.Event
+_record = torch.cuda.Event.record
+_elapsed_time = torch.cuda.Event.elapsed_time
+_synchronize = torch.cuda.synchronize
+
+# Larger than the L2 of any current GPU (H200: 60 MB): rewriting it evicts the previous call's data. Its ~0.1 ms on
+# the GPU also covers the host's launch overhead, so the timed kernel starts right after the start event.
+L2_FLUSH_BYTES = 512 * 2**20
+SAMPLES = 4096
+
+
+class Timer:
+    def __init__(self, device: torch.device):
+        self.flush = torch.empty(L2_FLUSH_BYTES // 4, dtype=torch.int32, device=device)
+
+    def time_ms(self, function, args: tuple):
+        """(milliseconds, output) of one call."""
+        self.flush.zero_()
+        start, end = _Event(enable_timing=True), _Event(enable_timing=True)
+        _record(start)
+        output = function(*args)
+        _record(end)
+        _synchronize()
+        return _elapsed_time(start, end), output
+
+
+def sample(output: torch.Tensor, seed: int) -> torch.Tensor:
+    """Elements of `output` at positions drawn from `seed` (float64, on the CPU): a cheap re-check of a timed output.
+    The seed is chosen by the grader after the call, so an implementation cannot compute only those positions."""
+    flat = output.detach().as_subclass(torch.Tensor).reshape(-1)
+    generator = torch.Generator().manual_seed(seed)
+    positions = torch.randint(0, max(flat.numel(), 1), (SAMPLES,), generator=generator)
+    return flat[positions.to(flat.device)].to("cpu", torch.float64)
