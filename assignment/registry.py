@@ -99,8 +99,10 @@ PROBLEMS: tuple[Problem, ...] = (
             "matches_reference_bf16": 2,
             "extreme_values": 2,
             "invalid_arguments": 1,
+            "speed": 2,
         },
         budgets={"ci": 6, "public": 25, "grading": 150},
+        speed=SpeedThreshold(shapes=((8192, 8192),)),
     ),
     Problem(
         id="kernels.row_sum",
@@ -111,8 +113,10 @@ PROBLEMS: tuple[Problem, ...] = (
             "matches_reference_bf16": 2,
             "long_rows": 3,
             "invalid_arguments": 1,
+            "speed": 2,
         },
         budgets={"ci": 6, "public": 25, "grading": 150},
+        speed=SpeedThreshold(shapes=((8192, 8192), (1024, 65536))),
     ),
     Problem(
         id="kernels.matmul",
@@ -124,8 +128,10 @@ PROBLEMS: tuple[Problem, ...] = (
             "k_remainder": 3,
             "gelu_epilogue": 3,
             "invalid_arguments": 1,
+            "speed": 3,
         },
         budgets={"ci": 5, "public": 20, "grading": 120},
+        speed=SpeedThreshold(shapes=((4096, 4096, 4096),), dtypes=("bfloat16", "float16")),
         # A lower floor than the default: at GPU sizes (K in the thousands) it separates an fp16 accumulator (about
         # 1.3 ulps of the output's scale) from fp32 accumulation.
         floor_ulps=2.0,
@@ -140,8 +146,44 @@ PROBLEMS: tuple[Problem, ...] = (
             "backward_fp32": 5,
             "backward_fp16": 2,
             "invalid_arguments": 1,
+            "speed": 2,
         },
         budgets={"ci": 5, "public": 20, "grading": 120},
+        # 16384 x 8192: long enough (~0.1 ms in bf16) that launch jitter cannot move a verdict; at 8192 x 4096 the
+        # reference against itself ranged 0.65-1.67x.
+        speed=SpeedThreshold(shapes=((16384, 8192),)),
+    ),
+    Problem(
+        id="kernels.flash_attention_torch",
+        title="FlashAttention-2 in PyTorch",
+        points={
+            "forward": 4,
+            "logsumexp": 2,
+            "backward": 5,
+            "causal": 4,
+            "saves_no_score_matrix": 3,
+            "invalid_arguments": 1,
+        },
+        budgets={"ci": 5, "public": 20, "grading": 120},
+    ),
+    Problem(
+        id="kernels.flash_attention_triton",
+        title="FlashAttention-2 in Triton",
+        points={
+            "forward_fp32": 4,
+            "forward_fp16": 3,
+            "forward_bf16": 2,
+            "logsumexp": 2,
+            "backward": 6,
+            "causal": 4,
+            "saves_no_score_matrix": 2,
+            "invalid_arguments": 1,
+            "speed": 4,
+        },
+        budgets={"ci": 4, "public": 15, "grading": 100},
+        # Forward only, against the reference and torch's FlashAttention-2 (SDPA's flash backend); shape is
+        # (batch, heads, seq, head_dim, causal).
+        speed=SpeedThreshold(shapes=((4, 16, 4096, 64, 0), (4, 16, 4096, 128, 1)), dtypes=("bfloat16",)),
     ),
     Problem(
         id="moe.router",

@@ -1,6 +1,6 @@
 """How stable the speed verdicts are: the reference graded against itself, many times, on one GPU.
 
-    python benchmarks/speed_stability.py [--runs 20]
+    python benchmarks/speed_stability.py [--runs 20] [--problems kernels.softmax,...]
 
 For every problem with speed thresholds and every benchmark case, the reference is timed as if it were a student's
 submission (in a worker process, exactly as `pytest grader` does) against itself, `--runs` times. Each run's ratio
@@ -31,12 +31,14 @@ from grader.sandbox.client import Sandbox  # noqa: E402
 def main() -> None:
     parser = argparse.ArgumentParser()
     parser.add_argument("--runs", type=int, default=20)
+    parser.add_argument("--problems", help="comma-separated problem ids (default: every problem with speed points)")
     args = parser.parse_args()
     profiles.load("public")
     reference = resolve(str(ROOT / "reference"))
     lines = ["| problem | case | ratios (min / median / max) | runs not in the top tier |", "| --- | --- | --- | --- |"]
     flips = 0
-    for problem in (p for p in PROBLEMS if p.speed is not None):
+    chosen = args.problems.split(",") if args.problems else [p.id for p in PROBLEMS]
+    for problem in (p for p in PROBLEMS if p.speed is not None and p.id in chosen):
         test_module = importlib.import_module(problem.test_module.removesuffix(".py").replace("/", "."))
         reference_module = load_problem_module(reference, problem.id)
         sandbox = Sandbox(problem.id, reference, reference, call_timeout_s=600,

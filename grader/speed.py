@@ -87,6 +87,12 @@ def measure(student, function: str, reference_fn, baseline_fn, inputs, case: tup
     return SpeedVerdict(medians["student"], medians["reference"], medians["baseline"], tier_fraction(ratio, threshold))
 
 
+def one_tensor(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple[torch.Tensor]:
+    """Inputs for a kernel of one tensor argument: standard normal values."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=generator, device=device, dtype=getattr(torch, dtype)),)
+
+
 @dataclass(frozen=True)
 class SpeedSpec:
     """What a problem's speed test times: the student's `function`, the reference's function of the same name, a torch

@@ -16,9 +16,10 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.context import current
-from grader.marks import bf16_gpu_only
+from grader.marks import bf16_gpu_only, gpu_only
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
+from grader.speed import SpeedSpec, grade_speed
 from grader.strategies import LAYOUTS, REGIMES, TensorCase, dims, size_scale
 
 PROBLEM = BY_ID["kernels.matmul"]
@@ -181,3 +182,20 @@ def test_invalid_arguments(student, make_a, make_b, kwargs, expected_error):
         raise WrongAnswer(
             f"matmul(a, b{options}) for a = {_describe(a)} and b = {_describe(b)} must raise {expected_error}; {got}"
         )
+
+
+def speed_inputs(shape: tuple[int, int, int], dtype: str, seed: int, device: torch.device):
+    """A [M, K] and B [K, N] for shape (M, N, K)."""
+    m, n, k = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+    a = torch.randn(m, k, generator=generator, device=device, dtype=getattr(torch, dtype))
+    return a, torch.randn(k, n, generator=generator, device=device, dtype=getattr(torch, dtype))
+
+
+SPEED = SpeedSpec("matmul", baseline=torch.matmul, inputs=speed_inputs)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
+def test_speed(student, reference, partial_credit, case):
+    grade_speed(SPEED, student, reference, case, PROBLEM.speed, partial_credit)

@@ -16,9 +16,10 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close, check_tensor_form
 from grader.context import current
-from grader.marks import bf16_gpu_only
+from grader.marks import bf16_gpu_only, gpu_only
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
+from grader.speed import SpeedSpec, grade_speed
 from grader.strategies import LAYOUTS, REGIMES, TensorCase, dims, size_scale
 
 PROBLEM = BY_ID["kernels.rmsnorm"]
@@ -249,3 +250,19 @@ def test_invalid_arguments(student, make_x, make_weight, eps, expected_error):
             f"rmsnorm(x, weight, eps) for x of shape {tuple(x.shape)} and {x.dtype}, {weight_text}, eps={eps!r} "
             f"must raise {expected_error}; {got}"
         )
+
+
+def speed_inputs(shape: tuple[int, int], dtype: str, seed: int, device: torch.device):
+    """x [rows, D] and weight [D] (forward only)."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    x = torch.randn(shape, generator=generator, device=device, dtype=getattr(torch, dtype))
+    return x, torch.rand(shape[-1], generator=generator, device=device, dtype=getattr(torch, dtype)) + 0.5
+
+
+SPEED = SpeedSpec("rmsnorm", baseline=lambda x, w: torch.nn.functional.rms_norm(x, (x.shape[-1],), w, 1e-6), inputs=speed_inputs)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
+def test_speed(student, reference, partial_credit, case):
+    grade_speed(SPEED, student, reference, case, PROBLEM.speed, partial_credit)

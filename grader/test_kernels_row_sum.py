@@ -9,9 +9,10 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.context import current
-from grader.marks import bf16_gpu_only
+from grader.marks import bf16_gpu_only, gpu_only
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
+from grader.speed import SpeedSpec, grade_speed, one_tensor
 from grader.strategies import TensorCase, dims, leading_shapes, size_scale, tensor_cases
 
 PROBLEM = BY_ID["kernels.row_sum"]
@@ -113,3 +114,12 @@ def test_invalid_arguments(student, make_input, expected_error):
         raise WrongAnswer(
             f"row_sum(x) for x of shape {tuple(x.shape)} and {x.dtype} must raise {expected_error}; {got}"
         )
+
+
+SPEED = SpeedSpec("row_sum", baseline=lambda x: x.sum(dim=-1), inputs=one_tensor)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
+def test_speed(student, reference, partial_credit, case):
+    grade_speed(SPEED, student, reference, case, PROBLEM.speed, partial_credit)

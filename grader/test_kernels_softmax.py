@@ -12,7 +12,7 @@ from grader.context import current
 from grader.marks import bf16_gpu_only, gpu_only
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
-from grader.speed import SpeedSpec, grade_speed
+from grader.speed import SpeedSpec, grade_speed, one_tensor
 from grader.strategies import TensorCase, dims, leading_shapes, size_scale, tensor_cases
 
 PROBLEM = BY_ID["kernels.softmax"]
@@ -100,12 +100,7 @@ def test_invalid_arguments(student, make_input, expected_error):
         raise WrongAnswer(f"softmax(x) for x of shape {tuple(x.shape)} and {x.dtype} must raise {expected_error}; {got}")
 
 
-def speed_inputs(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple[torch.Tensor]:
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(shape, generator=generator, device=device, dtype=getattr(torch, dtype)),)
-
-
-SPEED = SpeedSpec("softmax", baseline=lambda x: torch.softmax(x, dim=-1), inputs=speed_inputs)
+SPEED = SpeedSpec("softmax", baseline=lambda x: torch.softmax(x, dim=-1), inputs=one_tensor)
 
 
 @gpu_only

@@ -1,9 +1,10 @@
 """Grading moe.router: top-k token-choice routing with its load-balancing and z losses, in plain PyTorch.
 
-Integer outputs (chosen experts, counts) must equal the fast reference's at float32; floating outputs and gradients
-are measured against the plain reference in float64 with the reference's own float32 error as the yardstick.
-Tokens whose top-(k+1) probabilities are nearly tied are dropped from the random inputs: there, two correct float32
-computations may legitimately choose differently. Exact ties are graded separately, on integer logits.
+Integer outputs (chosen experts, counts) must equal the fast reference's at float32. Floating outputs and gradients
+are measured against the plain reference in float64, allowing a multiple of the fast reference's own float32 error
+plus a floor set by how exactly any float32 computation can get them (see Sensitivity). Tokens whose top-(k+1)
+probabilities are nearly tied are dropped from the random inputs: there, two correct float32 computations may
+legitimately choose differently. Exact ties are graded separately, on integer logits.
 """
 
 from __future__ import annotations
@@ -71,8 +72,9 @@ class RouterCase:
     """One routing problem, built deterministically from its fields: its description is a recipe to reproduce it.
 
     values: "normal" draws Gaussian x and weight, the weight scaled so that the logits' standard deviation is
-    logit_scale, and keeps the first `tokens` of twice as many drawn tokens that are not nearly tied; "integers" draws x in [-2, 2] and weight in [-1, 1]; "identity" draws x in [0, 2] with the
-    identity as weight (D == E). Integer logits are exact in float32, so their ties are exact.
+    logit_scale, and keeps the first `tokens` of twice as many drawn tokens that are not nearly tied; "integers"
+    draws x in [-2, 2] and weight in [-1, 1]; "identity" draws x in [0, 2] with the identity as weight (D == E).
+    Integer logits are exact in float32, so their ties are exact.
     """
 
     tokens: int
@@ -160,20 +162,12 @@ def router_cases(
 
 
 def fields(value, context: str) -> dict:
+    """The student's RouterOutput (a plain tuple once it has left the worker) by field name."""
     if not isinstance(value, tuple) or len(value) != len(FIELDS):
-        raise WrongAnswer(f"topk_route must return a RouterOutput of {len(FIELDS)} fields, got {value!r:.200} ({context})")
+        raise WrongAnswer(
+            f"topk_route must return a RouterOutput of {len(FIELDS)} fields, got {value!r:.200} ({context})"
+        )
     return dict(zip(FIELDS, value))
-
-
-def nudged(t: torch.Tensor) -> torch.Tensor:
-    """`t` in float32, every nonzero value moved one ulp away from zero: inputs as near as rounding could leave."""
-    t = t.float()
-    return torch.nextafter(t, 2 * t)
-
-
-def farther(exact: torch.Tensor, *candidates: torch.Tensor) -> torch.Tensor:
-    """The candidate farthest from `exact`: the larger of the reference's float32 errors sets the tolerance."""
-    return max(candidates, key=lambda c: float((c.detach().double() - exact.double()).abs().max()))
 
 
 def reference_gradients(route, x_TD, weight_ED, case: RouterCase, field: str, upstream: torch.Tensor):
@@ -185,26 +179,94 @@ def reference_gradients(route, x_TD, weight_ED, case: RouterCase, field: str, up
     return x_TD.grad, weight_ED.grad
 
 
-def z_loss_term_scale(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> float:
-    """The z loss's sensitivity to the rounding of the logits: mean over tokens of 2 |lse_t| max_e sum_d |x_d w_ed|.
+class Sensitivity:
+    """How exactly any float32 computation can get the outputs of one case: the error floors of its comparisons.
 
-    A float32 logit is only as exact as its largest terms allow, so where a token's logits nearly cancel (lse_t
-    near zero) the loss's own magnitude understates the error of any float32 computation.
+    A float32 logit is exact only to a few ulps of its largest terms, max_e sum_d |x_d w_ed|, and a probability
+    computed from it (as exp(l - lse), say) only to a few ulps of itself times |l - lse| + |lse|. So every output
+    inherits an uncertainty of about U_t = max_e sum_d |x_d w_ed| + |lse_t| ulps of what it is made of, whatever
+    the algorithm. The reference's fused softmax often does far better, so its own error alone would fail correct
+    computations (a softmax written out, log_softmax then exp); the floors scale with U_t instead.
     """
-    x_TD, weight_ED = x_TD.double().cpu(), weight_ED.double().cpu()
-    lse_T = torch.logsumexp(x_TD @ weight_ED.T, dim=-1)
-    return float((2 * lse_T.abs() * (x_TD.abs() @ weight_ED.abs().T).amax(dim=-1)).mean())
+
+    def __init__(self, x_TD: torch.Tensor, weight_ED: torch.Tensor, case: RouterCase, exact: dict):
+        self.case, self.exact = case, exact
+        self.x_TD, self.weight_ED = x_TD.double().cpu(), weight_ED.double().cpu()
+        logits_TE = self.x_TD @ self.weight_ED.T
+        self.probs_TE = torch.softmax(logits_TE, dim=-1)
+        self.lse_T = torch.logsumexp(logits_TE, dim=-1)
+        self.uncertainty_T = (self.x_TD.abs() @ self.weight_ED.abs().T).amax(dim=-1) + self.lse_T.abs()
+
+    def floor_scale(self, field: str) -> float:
+        """The magnitude whose floor_ulps ulps an output of the case may be off by (see compare_floating)."""
+        if field == "z_loss":
+            # z_loss = mean_t lse_t^2 is off by about mean_t 2 |lse_t| U_t ulps, far more than |z_loss| ulps where
+            # a token's logits nearly cancel.
+            return float((2 * self.lse_T.abs() * self.uncertainty_T).mean())
+        return float(self.exact[field].abs().max()) * (1 + float(self.uncertainty_T.max()))
+
+    def gradient_term_scales(self, field: str, upstream: torch.Tensor) -> tuple[float, float]:
+        """How large the terms are that a backward pass from `field` sums into each input's gradient.
+
+        Per token t, every way of computing the gradient sums terms of about probs_TE[t, e] G_t, where G_t is the
+        size of the upstream gradient reaching that token's probabilities, each uncertain by about U_t ulps; and a
+        softmax written out with the row maximum subtracted routes all of them through one logit. Where the terms
+        cancel (the balance loss of one token whose k experts hold nearly all the probability, say), float32
+        cannot resolve the difference, so the floor scales with G_t (1 + U_t) rather than with the result.
+        """
+        upstream = upstream.double().cpu()
+        num_tokens, num_experts = self.x_TD.shape[0], self.weight_ED.shape[0]
+        if field == "gate_TK":
+            per_token_T = upstream.abs().sum(dim=-1)
+            if self.case.normalize_topk:
+                chosen_T = self.probs_TE.gather(1, self.exact["expert_index_TK"].cpu()).sum(dim=-1)
+                per_token_T = per_token_T / chosen_T
+        elif field == "balance_loss":
+            slot_fraction_E = self.exact["tokens_per_expert_E"].cpu().double() / (num_tokens * self.case.k)
+            per_token_T = (upstream.abs() * num_experts * slot_fraction_E.max() / num_tokens).expand(num_tokens)
+        else:
+            per_token_T = upstream.abs() * 2 * (self.lse_T.abs() + 1) / num_tokens
+        per_token_T = per_token_T * (1 + self.uncertainty_T)
+        return (
+            float((per_token_T[:, None] * self.weight_ED.abs().amax(dim=0)).max()),
+            float((per_token_T @ self.x_TD.abs()).max()),
+        )
+
+
+def compare_floating(actual, exact, expected_at_dtype, floor_scale: float, what: str, context: str) -> None:
+    """assert_close, with the error floor floor_ulps ulps of floor_scale (or of the result, if that is larger).
+
+    Two kinds of result assert_close cannot judge are compared here with the same bound. A result far below the
+    floor is an output that (nearly) does not depend on an input: renormalised gates with k = 1, the balance loss
+    with k = E (every f_i is 1/E and sum_i P_i = 1); rounding may leave exactly zero there where float64 leaves a
+    trace. And values that differ by less than the tolerance may round to one value (gates of nearly 1, say), which
+    assert_close would take for a constant output.
+    """
+    check_tensor_form(actual, expected_at_dtype, what, context)
+    exact64 = exact.double().cpu()
+    result_scale = float(exact64.abs().max())
+    floor_scale = max(floor_scale, result_scale)
+    eps = torch.finfo(actual.dtype).eps
+    reference_error = float((expected_at_dtype.double().cpu() - exact64).abs().max())
+    allowed = PROBLEM.error_multiple * reference_error + PROBLEM.floor_ulps * eps * floor_scale
+    negligible = result_scale <= PROBLEM.floor_ulps * eps * floor_scale
+    may_round_to_constant = exact64.numel() > 1 and float(exact64.max() - exact64.min()) <= 2 * allowed
+    if not (negligible or may_round_to_constant):
+        assert_close(actual, exact, expected_at_dtype, what=what, context=context, multiple=PROBLEM.error_multiple,
+                     floor_ulps=PROBLEM.floor_ulps * floor_scale / result_scale)
+        return
+    error = float((actual.double().cpu() - exact64).abs().max())
+    if not error <= allowed:  # NaN fails too
+        raise WrongAnswer(
+            f"{what}: out of tolerance; largest error {error:.3g}, allowed {allowed:.3g} = {PROBLEM.error_multiple:g}"
+            f" x reference error {reference_error:.3g} + {PROBLEM.floor_ulps:g} ulp x scale {floor_scale:.3g}"
+            f" ({context})"
+        )
 
 
 class Routing:
-    """The student's routing of one case, and the reference's: the fast one at the case's dtypes (whose integer
-    outputs must be matched exactly), the fast one on nudged float32 inputs, and the plain one in float64.
-
-    A float32 computation is as good as the reference's when it is as near the float64 value as the reference is
-    on inputs rounded either way, so the farther of the two float32 runs calibrates each tolerance: without it, a
-    correct computation that is more sensitive to the rounding of the logits could fail where the reference is
-    lucky. Nudging cannot change a choice: near ties were dropped.
-    """
+    """The student's routing of one case, the fast reference's at the case's dtypes (whose integer outputs must be
+    matched exactly and whose float32 error calibrates the tolerances) and the plain reference's in float64."""
 
     def __init__(self, student, reference, case: RouterCase):
         self.student, self.reference, self.case = student, reference, case
@@ -215,20 +277,16 @@ class Routing:
             self.actual = fields(student.call("topk_route", self.x_TD, self.weight_ED, *arguments), self.context)
         with torch.no_grad():
             self.at_dtype = dict(zip(FIELDS, reference.topk_route(self.x_TD, self.weight_ED, *arguments)))
-            self.nudged = dict(zip(FIELDS, reference.topk_route(nudged(self.x_TD), nudged(self.weight_ED), *arguments)))
             self.exact = dict(zip(FIELDS, reference.topk_route_torch(self.x_TD.double(), self.weight_ED.double(),
                                                                       *arguments)))
+        self.sensitivity = Sensitivity(self.x_TD, self.weight_ED, case, self.exact)
 
     def check_equal(self, name: str) -> None:
         assert_equal(self.actual[name], self.at_dtype[name], what=name, context=self.context)
 
     def check_close(self, name: str) -> None:
-        expected = self.exact[name]
-        floor_ulps = PROBLEM.floor_ulps
-        if name == "z_loss":
-            floor_ulps *= max(1.0, z_loss_term_scale(self.x_TD, self.weight_ED) / float(expected.abs()))
-        assert_close(self.actual[name], expected, farther(expected, self.at_dtype[name], self.nudged[name]),
-                     what=name, context=self.context, multiple=PROBLEM.error_multiple, floor_ulps=floor_ulps)
+        compare_floating(self.actual[name], self.exact[name], self.at_dtype[name],
+                         self.sensitivity.floor_scale(name), name, self.context)
 
     def check_gradients(self) -> None:
         """Backpropagate a random upstream gradient from each differentiable output in turn: a gradient too small to
@@ -246,68 +304,15 @@ class Routing:
             actual = self.student.call_traced(
                 "topk_route", self.x_TD, self.weight_ED, self.case.k, self.case.normalize_topk, grad=grad
             )["grads"]
-        route, route_torch = self.reference.topk_route, self.reference.topk_route_torch
-        exact = reference_gradients(route_torch, self.x_TD.double(), self.weight_ED.double(), self.case, field,
-                                    upstream)
-        at_dtype = reference_gradients(route, self.x_TD, self.weight_ED, self.case, field, upstream)
-        from_nudged = reference_gradients(route, nudged(self.x_TD), nudged(self.weight_ED), self.case, field, upstream)
-        term_scales = backward_term_scales(self.x_TD, self.weight_ED, self.exact, field, upstream)
+        exact = reference_gradients(self.reference.topk_route_torch, self.x_TD.double(), self.weight_ED.double(),
+                                    self.case, field, upstream)
+        at_dtype = reference_gradients(self.reference.topk_route, self.x_TD, self.weight_ED, self.case, field, upstream)
+        term_scales = self.sensitivity.gradient_term_scales(field, upstream)
         for index, name in enumerate(("x_TD", "router_weight_ED")):
             what = f"gradient of {name} from {field}"
             if actual[index] is None:
                 raise WrongAnswer(f"{what}: {name} received no gradient ({self.context})")
-            dtype = (self.x_TD, self.weight_ED)[index].dtype
-            expected_at_dtype = farther(exact[index], at_dtype[index], from_nudged[index].to(dtype))
-            check_gradient(actual[index], exact[index], expected_at_dtype, term_scales[index], what, self.context)
-
-
-def backward_term_scales(x_TD, weight_ED, exact: dict, field: str, upstream: torch.Tensor) -> tuple[float, float]:
-    """How large the terms are that a backward pass from `field` sums into the gradients of x_TD and weight_ED.
-
-    Every way of computing the gradient sums, per token t, terms of about probs_TE[t, e] times G_t, the size of the
-    upstream gradient reaching that token's probabilities, so about G_t in all; and a softmax written out with the
-    row maximum subtracted routes all of them through one logit. Where the terms cancel (the balance loss of one
-    token whose k experts hold nearly all the probability, say) float32 cannot resolve the difference, so the
-    error floor scales with the terms rather than with the result.
-    """
-    x_TD, weight_ED = x_TD.double().cpu(), weight_ED.double().cpu()
-    upstream = upstream.double().cpu()
-    num_tokens, num_experts = x_TD.shape[0], weight_ED.shape[0]
-    logits_TE = x_TD @ weight_ED.T
-    if field == "gate_TK":
-        per_token_T = upstream.abs().sum(dim=-1)
-        if exact["gate_TK"].shape[1] < num_experts and bool((exact["gate_TK"].sum(dim=-1) - 1).abs().max() < 1e-9):
-            # Renormalised gates divide by the chosen probabilities' sum.
-            probs_TE = torch.softmax(logits_TE, dim=-1)
-            per_token_T = per_token_T / probs_TE.gather(1, exact["expert_index_TK"].cpu()).sum(dim=-1)
-    elif field == "balance_loss":
-        slot_fraction_E = exact["tokens_per_expert_E"].cpu().double() / exact["expert_index_TK"].numel()
-        per_token_T = (upstream.abs() * num_experts * slot_fraction_E.max() / num_tokens).expand(num_tokens)
-    else:
-        # d z_loss / d logits_TE = 2 lse_t probs_TE / T, and lse_t itself is only as exact as the logits' terms.
-        lse_T = torch.logsumexp(logits_TE, dim=-1).abs() + (x_TD.abs() @ weight_ED.abs().T).amax(dim=-1)
-        per_token_T = upstream.abs() * 2 * lse_T / num_tokens
-    return (
-        float((per_token_T[:, None] * weight_ED.abs().amax(dim=0)).max()),
-        float((per_token_T @ x_TD.abs()).max()),
-    )
-
-
-def check_gradient(actual, exact, expected_at_dtype, term_scale: float, what: str, context: str) -> None:
-    """assert_close, with its error floor set by the scale of the backward's terms when that exceeds the result's."""
-    result_scale = float(exact.abs().max())
-    if result_scale > 0:
-        assert_close(actual, exact, expected_at_dtype, what=what, context=context, multiple=PROBLEM.error_multiple,
-                     floor_ulps=PROBLEM.floor_ulps * max(1.0, term_scale / result_scale))
-        return
-    # The output is constant here (renormalised gates with k = 1; the balance loss with k = E, where every f_i is
-    # 1/E and sum_i P_i = 1): the gradient is zero, up to rounding in the terms that cancel.
-    check_tensor_form(actual, expected_at_dtype, what, context)
-    largest = float(actual.detach().abs().max()) if actual.numel() else 0.0
-    allowed = PROBLEM.floor_ulps * torch.finfo(expected_at_dtype.dtype).eps * term_scale
-    if largest > allowed:
-        raise WrongAnswer(f"{what}: expected zero (the output is constant here), got values up to {largest:.3g}; "
-                          f"allowed {allowed:.3g} ({context})")
+            compare_floating(actual[index], exact[index], at_dtype[index], term_scales[index], what, self.context)
 
 
 @examples(PROBLEM)

@@ -1,0 +1,93 @@
+"""Grading kernels.flash_attention_torch: FlashAttention-2's forward and backward as PyTorch loops over tiles.
+
+Outputs and gradients are measured against attention written out in full at float64, with the reference's own error
+at the input dtype as the yardstick. The logsumexp L and the tensors saved for backward are read off the autograd
+node of FlashAttentionFunction by grader.attention_cases.probe, which runs inside the worker.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader import attention_cases
+from grader.attention_cases import (
+    INVALID,
+    attention_cases as cases,
+    check_gradients,
+    check_lse,
+    check_no_score_matrix,
+    check_output,
+    check_raises,
+    expected,
+    run_probe,
+    sequence_lengths,
+)
+from grader.profiles import examples
+from grader.strategies import size_scale
+
+PROBLEM = BY_ID["kernels.flash_attention_torch"]
+FORBIDDEN_OPS = attention_cases.FORBIDDEN_OPS
+# Plain PyTorch runs bfloat16 correctly on the CPU too.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+TOLERANCE = dict(error_multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+# Python loops launch a few kernels for each of the (seq / 16)^2 pairs of tiles: sequences stay at 160 or less (10
+# tiles) even on a GPU, so that a correct student's loops fit the time limits.
+MAX_SEQ = 40 * min(size_scale(), 4)
+SEQ = sequence_lengths(MAX_SEQ)
+
+
+@examples(PROBLEM)
+@given(case=cases(DTYPES, causal=st.just(False), seq=SEQ))
+def test_forward(student, reference, case):
+    q, k, v, _ = case.inputs()
+    with student.describing(case.describe()):
+        actual = student.call("flash_attention", q, k, v, is_causal=False)
+    check_output(actual, expected(reference, case, q, k, v), **TOLERANCE, context=case.describe())
+
+
+@examples(PROBLEM)
+@given(case=cases(DTYPES, seq=SEQ))
+def test_logsumexp(student, reference, case):
+    """L = log sum_j exp(S_ij), the fifth tensor of ctx.save_for_backward(q, k, v, o, L)."""
+    q, k, v, _ = case.inputs()
+    report = run_probe(student, case, q, k, v)
+    check_lse(report, expected(reference, case, q, k, v), **TOLERANCE, context=case.describe())
+
+
+@examples(PROBLEM)
+@given(case=cases(DTYPES, causal=st.just(False), seq=SEQ))
+def test_backward(student, reference, case):
+    q, k, v, grad_o = case.inputs()
+    report = run_probe(student, case, q, k, v, grad_o)
+    check_gradients(report, expected(reference, case, q, k, v, grad_o), **TOLERANCE, context=case.describe())
+
+
+@examples(PROBLEM)
+@given(case=cases(DTYPES, causal=st.just(True), seq=SEQ))
+def test_causal(student, reference, case):
+    """Query i attends key j iff j <= i: the output and all three gradients."""
+    q, k, v, grad_o = case.inputs()
+    report = run_probe(student, case, q, k, v, grad_o)
+    want = expected(reference, case, q, k, v, grad_o)
+    check_output(report["output"], want, **TOLERANCE, context=case.describe())
+    check_gradients(report, want, **TOLERANCE, context=case.describe())
+
+
+@examples(PROBLEM, 0.5)
+@given(case=cases(DTYPES, seq=st.integers(33, MAX_SEQ), head_dim=st.just(16)))
+def test_saves_no_score_matrix(student, case):
+    """Forward and backward: exactly (q, k, v, o, L) saved, and no tensor with two dimensions of length seq built.
+
+    seq > 32 exceeds head_dim and every other dimension, so only an n x n matrix has two dimensions of that length.
+    """
+    q, k, v, grad_o = case.inputs()
+    report = run_probe(student, case, q, k, v, grad_o)
+    check_no_score_matrix(report, case.seq, case.describe())
+
+
+@pytest.mark.parametrize("make_inputs, expected_error", INVALID)
+def test_invalid_arguments(student, make_inputs, expected_error):
+    check_raises(student, make_inputs, expected_error)

@@ -1,0 +1,133 @@
+"""Grading kernels.flash_attention_triton: FlashAttention-2's forward and backward as Triton kernels.
+
+Outputs and gradients are measured against attention written out in full at float64, with the reference kernels'
+own error at the input dtype as the yardstick. The logsumexp L and the tensors saved for backward are read off the
+autograd node of FlashAttentionFunction by grader.attention_cases.probe, which runs inside the worker and also
+records the Triton kernels launched by the forward and by the backward. bfloat16 is graded on a GPU only.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader import attention_cases
+from grader.attention_cases import (
+    INVALID,
+    attention_cases as cases,
+    check_gradients,
+    check_lse,
+    check_no_score_matrix,
+    check_output,
+    check_raises,
+    expected,
+    run_probe,
+)
+from grader.marks import bf16_gpu_only, gpu_only
+from grader.profiles import examples
+from grader.speed import SpeedSpec, grade_speed
+from grader.strategies import size_scale
+
+PROBLEM = BY_ID["kernels.flash_attention_triton"]
+USES_TRITON = True
+FORBIDDEN_OPS = attention_cases.FORBIDDEN_OPS
+# Triton's interpreter computes bfloat16 arithmetic wrongly: bfloat16 joins the mixed-dtype tests on a GPU only.
+DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+TOLERANCE = dict(error_multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+
+
+def check_forward(student, reference, case) -> None:
+    q, k, v, _ = case.inputs()
+    with student.describing(case.describe()):
+        actual = student.call("flash_attention", q, k, v, is_causal=False)
+    check_output(actual, expected(reference, case, q, k, v), **TOLERANCE, context=case.describe())
+
+
+@examples(PROBLEM)
+@given(case=cases((torch.float32,), causal=st.just(False)))
+def test_forward_fp32(student, reference, case):
+    check_forward(student, reference, case)
+
+
+@examples(PROBLEM)
+@given(case=cases((torch.float16,), causal=st.just(False)))
+def test_forward_fp16(student, reference, case):
+    check_forward(student, reference, case)
+
+
+@bf16_gpu_only
+@examples(PROBLEM)
+@given(case=cases((torch.bfloat16,), causal=st.just(False)))
+def test_forward_bf16(student, reference, case):
+    check_forward(student, reference, case)
+
+
+@examples(PROBLEM)
+@given(case=cases(DTYPES))
+def test_logsumexp(student, reference, case):
+    """L = log sum_j exp(S_ij), the fifth tensor of ctx.save_for_backward(q, k, v, o, L)."""
+    q, k, v, _ = case.inputs()
+    report = run_probe(student, case, q, k, v, uses_triton=True)
+    check_lse(report, expected(reference, case, q, k, v), **TOLERANCE, context=case.describe())
+
+
+@examples(PROBLEM)
+@given(case=cases(DTYPES, causal=st.just(False)))
+def test_backward(student, reference, case):
+    q, k, v, grad_o = case.inputs()
+    report = run_probe(student, case, q, k, v, grad_o, uses_triton=True)
+    check_gradients(report, expected(reference, case, q, k, v, grad_o), **TOLERANCE, context=case.describe())
+
+
+@examples(PROBLEM)
+@given(case=cases(DTYPES, causal=st.just(True)))
+def test_causal(student, reference, case):
+    """Query i attends key j iff j <= i: the output and all three gradients."""
+    q, k, v, grad_o = case.inputs()
+    report = run_probe(student, case, q, k, v, grad_o, uses_triton=True)
+    want = expected(reference, case, q, k, v, grad_o)
+    check_output(report["output"], want, **TOLERANCE, context=case.describe())
+    check_gradients(report, want, **TOLERANCE, context=case.describe())
+
+
+@examples(PROBLEM, 0.5)
+@given(case=cases(DTYPES, seq=st.integers(33, 40 * size_scale()), head_dim=st.just(16)))
+def test_saves_no_score_matrix(student, case):
+    """Forward and backward: exactly (q, k, v, o, L) saved, and no tensor with two dimensions of length seq built.
+
+    seq > 32 exceeds head_dim and every other dimension, so only an n x n matrix has two dimensions of that length.
+    """
+    q, k, v, grad_o = case.inputs()
+    report = run_probe(student, case, q, k, v, grad_o, uses_triton=True)
+    check_no_score_matrix(report, case.seq, case.describe())
+
+
+@pytest.mark.parametrize("make_inputs, expected_error", INVALID)
+def test_invalid_arguments(student, make_inputs, expected_error):
+    check_raises(student, make_inputs, expected_error)
+
+
+def speed_inputs(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device):
+    """q, k, v of shape (batch, heads, seq, head_dim) and is_causal, for shape (batch, heads, seq, head_dim, causal)."""
+    *size, causal = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+    q, k, v = (torch.randn(size, generator=generator, device=device, dtype=getattr(torch, dtype)) for _ in range(3))
+    return q, k, v, bool(causal)
+
+
+def sdpa_flash(q, k, v, is_causal):
+    """torch's own FlashAttention-2 kernel (the flash backend of scaled_dot_product_attention)."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
+
+
+SPEED = SpeedSpec("flash_attention", baseline=sdpa_flash, inputs=speed_inputs)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
+def test_speed(student, reference, partial_credit, case):
+    grade_speed(SPEED, student, reference, case, PROBLEM.speed, partial_credit)
+
