@@ -98,3 +98,11 @@ def assert_equal(actual, expected: torch.Tensor, *, what: str, context: str) -> 
             f"{what}: {int(mismatch.sum())} of {actual.numel()} values differ; first at {where}: "
             f"got {actual.flatten()[index].item()}, expected {expected.flatten()[index].item()} ({context})"
         )
+
+
+def assert_raises(raised, expected_error: str, call: str) -> None:
+    """The student's call, described by `call`, must have raised `expected_error` (a class name; subclasses count).
+    `raised` is what Sandbox.raises returned: the StudentError, or None if the call returned."""
+    if raised is None or expected_error not in raised.type_names:
+        got = f"it raised {raised.raised}" if raised else "it returned normally"
+        raise WrongAnswer(f"{call} must raise {expected_error}; {got}")
