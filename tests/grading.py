@@ -59,3 +59,15 @@ def assert_fails_for(run: GraderRun, problem_id: str, test: str, *fragments: str
         missing = [f for f in fragments if f.lower() not in entry["output"].lower()]
         assert not missing, f"{entry['name']} failed without naming {missing}:\n{entry['output']}"
     assert run.returncode != 0
+
+
+def processes_with(marker: str) -> list[int]:
+    """Live processes whose environment holds `marker`: a run's own workers and ranks, whatever else runs here."""
+    found = []
+    for environ in Path("/proc").glob("[0-9]*/environ"):
+        try:
+            if marker.encode() in environ.read_bytes():
+                found.append(int(environ.parent.name))
+        except OSError:
+            continue  # exited meanwhile, or not ours to read
+    return found

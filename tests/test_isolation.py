@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.grading import ROOT, assert_fails_for, run_grader
+from tests.grading import ROOT, assert_fails_for, processes_with, run_grader
 
 HOSTILE = Path(__file__).resolve().parent / "hostile"
 
@@ -71,18 +71,6 @@ def test_reference_can_be_neither_imported_nor_read():
         run, "kernels.softmax", "matches_reference_fp32",
         "may not import the reference package", "may not read the reference",
     )
-
-
-def processes_with(marker: str) -> list[int]:
-    """Processes whose environment holds `marker` (ours alone, whatever else runs on the machine)."""
-    found = []
-    for environ in Path("/proc").glob("[0-9]*/environ"):
-        try:
-            if marker.encode() in environ.read_bytes():
-                found.append(int(environ.parent.name))
-        except OSError:
-            continue
-    return found
 
 
 def test_no_worker_outlives_the_run(tmp_path):

@@ -6,14 +6,12 @@ test that bug must fail: a rank launch costs seconds, and a failure is shrunk by
 
 from __future__ import annotations
 
-import subprocess
 import uuid
-from pathlib import Path
 
 import pytest
 
 from assignment.registry import BY_ID
-from tests.grading import assert_fails_for, run_grader, wrong_impl
+from tests.grading import assert_fails_for, processes_with, run_grader, wrong_impl
 
 PROBLEM = "parallel.ddp"
 
@@ -54,20 +52,6 @@ def test_grader_fails_wrong_ddp(variant, test, fragments, any_of):
 TIMEOUT_SCALE = 0.2
 
 
-def rank_processes_marked(marker: str) -> list[int]:
-    """Rank processes still alive whose environment carries `marker` (so ranks of concurrent runs are not counted)."""
-    found = subprocess.run(["pgrep", "-f", "grader.distributed.rank"], capture_output=True, text=True)
-    alive = []
-    for pid in map(int, found.stdout.split()):
-        try:
-            environment = Path(f"/proc/{pid}/environ").read_bytes()
-        except OSError:
-            continue  # exited meanwhile, or not ours to read
-        if marker.encode() in environment:
-            alive.append(pid)
-    return alive
-
-
 def test_a_rank_that_never_joins_an_all_reduce_times_out():
     marker = f"DDP_HANG_TEST={uuid.uuid4().hex}"
     name, _, value = marker.partition("=")
@@ -83,4 +67,4 @@ def test_a_rank_that_never_joins_an_all_reduce_times_out():
         "rank(s) [1] never arrived",
         status="timed out",
     )
-    assert rank_processes_marked(marker) == [], "rank processes outlived the grader run"
+    assert processes_with(marker) == [], "rank processes outlived the grader run"

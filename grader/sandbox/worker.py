@@ -7,6 +7,7 @@ the student module, then answers requests until the socket closes.
 
 from __future__ import annotations
 
+import contextlib
 import faulthandler
 import importlib
 import os
@@ -79,21 +80,24 @@ class Worker:
         grad = request.get("grad")
         if grad is not None:
             args = [a.detach().requires_grad_(True) if i in grad["inputs"] else a for i, a in enumerate(args)]
-        if self.launches is not None:
-            self.launches.reset()
-        recorder = guards.ForbiddenOpRecorder(self.forbidden_ops)
-        with recorder:
+        with self.watched() as observed:
             value = function(*args, **kwargs)
             grads = None
             if grad is not None:
                 grads = self.backward(value, args, grad)
-        return {
-            "status": "ok",
-            "value": to_plain(value),
-            "grads": grads,
-            "launches": list(self.launches.names) if self.launches is not None else [],
-            "forbidden": recorder.seen,
-        }
+        return {"status": "ok", "value": to_plain(value), "grads": grads, **observed}
+
+    @contextlib.contextmanager
+    def watched(self):
+        """Records the Triton launches and forbidden operators of the code inside; fills the yielded dict with them."""
+        if self.launches is not None:
+            self.launches.reset()
+        recorder = guards.ForbiddenOpRecorder(self.forbidden_ops)
+        observed = {}
+        with recorder:
+            yield observed
+        observed["launches"] = list(self.launches.names) if self.launches is not None else []
+        observed["forbidden"] = recorder.seen
 
     @staticmethod
     def backward(value, args, grad: dict):
@@ -121,17 +125,9 @@ class Worker:
             # kernel time. The rules are checked on the untimed warm-up calls (and in every correctness test).
             milliseconds, self.last_output = self.timer.time_ms(function, args)
             return {"status": "ok", "value": milliseconds, "launches": ["(not recorded)"], "forbidden": []}
-        if self.launches is not None:
-            self.launches.reset()
-        recorder = guards.ForbiddenOpRecorder(self.forbidden_ops)
-        with recorder:
+        with self.watched() as observed:
             milliseconds, self.last_output = self.timer.time_ms(function, args)
-        return {
-            "status": "ok",
-            "value": milliseconds,
-            "launches": list(self.launches.names) if self.launches is not None else [],
-            "forbidden": recorder.seen,
-        }
+        return {"status": "ok", "value": milliseconds, **observed}
 
     def sample(self, request: dict):
         return {"status": "ok", "value": timing.sample(self.last_output, request["seed"])}
