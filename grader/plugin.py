@@ -153,10 +153,17 @@ class Ranks:
         self.timeout_scale = timeout_scale
 
     def run(self, program, world_size: int, *args, **kwargs) -> list:
+        return self._launch(current().impl, program, world_size, args, kwargs)
+
+    def run_reference(self, program, world_size: int, *args, **kwargs) -> list:
+        """The same program with the reference in place of the student (for ratios measured in one run)."""
+        return self._launch(current().reference, program, world_size, args, kwargs)
+
+    def _launch(self, impl, program, world_size: int, args: tuple, kwargs: dict) -> list:
         context = current()
         job = RankJob(
             problem=self.problem.id,
-            impl=context.impl,
+            impl=impl,
             reference=context.reference,
             program=f"{program.__module__}:{program.__name__}",
             world_size=world_size,
