@@ -27,11 +27,9 @@ _LOG2_E = tl.constexpr(LOG2_E)
 _LN_2 = tl.constexpr(0.6931471805599453)
 
 
-# Tile shapes. Half precision on a GPU: 128 queries x 64 keys per forward step; the backward keeps 128 rows resident
-# (keys for dK/dV, queries for dQ) and streams 32, as FlashAttention-2 does. float32 multiplies without tensor cores
-# (see _precision), whose operands live in registers: smaller tiles and more warps. Every GPU configuration below
-# compiles for sm_90 without register spills (ptxas -v), except a few bytes in the half-precision backward at
-# head_dim 128. Under the interpreter the tiles are tiny, in the same ratios, so that the short test sequences still
+# Tile shapes. Half precision on a GPU: 128 queries x 64 keys per forward step; the backward keeps BLOCK_MAJOR rows
+# resident (keys for dK/dV, queries for dQ) and streams BLOCK_MINOR. float32 multiplies without tensor cores
+# (see _precision), whose operands live in registers: smaller tiles and more warps. Under the interpreter the tiles are tiny, in the same ratios, so that the short test sequences still
 # cross several blocks.
 def _forward_config(dtype: torch.dtype, head_dim_block: int) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
@@ -49,7 +47,11 @@ def _backward_config(dtype: torch.dtype, head_dim_block: int) -> dict:
         return dict(BLOCK_MAJOR=32, BLOCK_MINOR=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_MAJOR=64 if head_dim_block <= 64 else 32, BLOCK_MINOR=16, num_warps=8, num_stages=2)
-    return dict(BLOCK_MAJOR=128, BLOCK_MINOR=32, num_warps=8, num_stages=3 if head_dim_block <= 64 else 2)
+    # Measured on an H200 (bf16, batch 4, 16 heads, 4096 tokens) against 128 x 32 tiles: 64 x 64 at 4 warps is 21%
+    # faster at head_dim 64, 128 x 64 at 8 warps 13% faster at head_dim 128, causal or not.
+    if head_dim_block <= 64:
+        return dict(BLOCK_MAJOR=64, BLOCK_MINOR=64, num_warps=4, num_stages=3)
+    return dict(BLOCK_MAJOR=128, BLOCK_MINOR=64, num_warps=8, num_stages=3)
 
 
 # Rows per program of the D pre-pass, which reads O and dO once and writes one float32 per row.
