@@ -7,7 +7,7 @@ One entry per problem. The entry's `id` is also the module path of the problem u
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 PROFILES = ("ci", "public", "grading")
@@ -216,6 +216,15 @@ PROBLEMS: tuple[Problem, ...] = (
 )
 
 BY_ID: dict[str, Problem] = {p.id: p for p in PROBLEMS}
+
+def use_world_sizes(world_sizes: tuple[int, ...]) -> None:
+    """Grade every distributed problem at these numbers of ranks instead of its own, e.g. (4, 8) on an 8-GPU node.
+
+    Test modules read a problem's world sizes when they are collected: the plugin calls this before collection.
+    """
+    global PROBLEMS
+    PROBLEMS = tuple(replace(p, world_sizes=world_sizes) if p.world_sizes else p for p in PROBLEMS)
+    BY_ID.update({p.id: p for p in PROBLEMS})
 
 
 def problem_for_test_module(module_name: str) -> Problem | None:

@@ -10,6 +10,7 @@ from pathlib import Path
 import hypothesis
 import pytest
 
+from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
 from grader import backend, profiles
 from grader.distributed.launcher import RankJob, launcher_for
@@ -56,6 +57,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "allocation (env GRADER_LAUNCHER)")
     group.addoption("--timeout-scale", type=float, default=float(os.environ.get("GRADER_TIMEOUT_SCALE", "1")),
                     help="multiply every time limit by this factor, e.g. 2 on a slow machine (env GRADER_TIMEOUT_SCALE)")
+    group.addoption("--world-sizes", default=os.environ.get("GRADER_WORLD_SIZES"),
+                    help="comma-separated numbers of ranks for every distributed problem's main tests, replacing the "
+                         "registry's, e.g. 4,8 on an 8-GPU node (env GRADER_WORLD_SIZES)")
     group.addoption("--results-json", default=os.environ.get("GRADER_RESULTS_JSON"),
                     help="write Gradescope's results.json here (env GRADER_RESULTS_JSON)")
 
@@ -68,6 +72,15 @@ def pytest_configure(config: pytest.Config) -> None:
             secret_seed()  # fail now, before any test, if the seed is missing
         except (RuntimeError, ValueError) as error:
             raise pytest.UsageError(str(error)) from None
+    if config.getoption("--world-sizes"):
+        text = config.getoption("--world-sizes")
+        try:
+            world_sizes = tuple(int(n) for n in text.split(","))
+        except ValueError:
+            raise pytest.UsageError(f"--world-sizes takes numbers such as 4,8, not {text!r}") from None
+        if not world_sizes or min(world_sizes) < 1:
+            raise pytest.UsageError("--world-sizes needs at least one number of ranks, each >= 1")
+        registry.use_world_sizes(world_sizes)
     root = Path(config.rootpath)
     search_path = [str(Path.cwd()), str(root)]
     try:
