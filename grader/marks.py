@@ -8,3 +8,9 @@ bf16_gpu_only = pytest.mark.skipif(
     not torch.cuda.is_available(),
     reason="bf16 is graded on a GPU only: Triton's interpreter computes bf16 arithmetic wrongly",
 )
+
+
+def multi_gpu(count: int):
+    """Skip unless this machine has at least `count` GPUs (one per rank)."""
+    available = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    return pytest.mark.skipif(available < count, reason=f"needs {count} GPUs, one per rank ({available} here)")

@@ -8,6 +8,7 @@ the call. Points come in tiers by the ratio of median times, student over refere
 
 from __future__ import annotations
 
+import functools
 import random
 import statistics
 from collections.abc import Callable
@@ -62,9 +63,15 @@ def check_sample(student_sample: torch.Tensor, reference_sample: torch.Tensor, d
 
 
 def measure(student, function: str, reference_fn, baseline_fn, inputs, case: tuple, threshold: SpeedThreshold,
-            dtype: torch.dtype, calls: int = CALLS, seed: int | None = None) -> SpeedVerdict:
-    """Time `calls` alternating calls; `inputs` is a test-module function `inputs(*case, seed, device)`."""
+            dtype: torch.dtype, calls: int = CALLS, seed: int | None = None,
+            harness: Callable | None = None) -> SpeedVerdict:
+    """Time `calls` alternating calls; `inputs` is a test-module function `inputs(*case, seed, device)`. With a
+    `harness` (a test-module function), each timed call is harness(function, *args) instead of function(*args)."""
     inputs_name = f"{inputs.__module__}:{inputs.__name__}"
+    harness_name = None
+    if harness is not None:
+        harness_name = f"{harness.__module__}:{harness.__name__}"
+        reference_fn, baseline_fn = functools.partial(harness, reference_fn), functools.partial(harness, baseline_fn)
     device = torch.device("cuda")
     timer = Timer(device)
     draw = random.Random(seed)
@@ -72,7 +79,8 @@ def measure(student, function: str, reference_fn, baseline_fn, inputs, case: tup
     for index in range(WARMUP_CALLS + calls):
         call_seed = draw.randrange(2**31)
         args = inputs(*case, seed=call_seed, device=device)
-        student_ms = student.time_call(function, inputs_name, case, call_seed, check_rules=index < WARMUP_CALLS)
+        student_ms = student.time_call(function, inputs_name, case, call_seed, check_rules=index < WARMUP_CALLS,
+                                       harness=harness_name)
         reference_ms, reference_output = timer.time_ms(reference_fn, args)
         baseline_ms, _ = timer.time_ms(baseline_fn, args)
         sample_seed = draw.randrange(2**31)
@@ -97,16 +105,19 @@ def one_tensor(shape: tuple[int, ...], dtype: str, seed: int, device: torch.devi
 class SpeedSpec:
     """What a problem's speed test times: the student's `function`, the reference's function of the same name, a torch
     `baseline` on the same arguments, and `inputs(shape, dtype, seed, device)` (a module-level function of the test
-    module, so that the worker can build the same inputs)."""
+    module, so that the worker can build the same inputs). With a `harness(function, *args)` (also a module-level
+    function of the test module), that is what is timed for all three instead of `function(*args)`: a forward and
+    backward pass, say; its return value is the output that is sampled."""
 
     function: str
     baseline: Callable
     inputs: Callable
+    harness: Callable | None = None
 
     def run(self, student, reference_module, case: tuple, threshold: SpeedThreshold, seed: int | None = None):
         shape, dtype = case
         return measure(student, self.function, getattr(reference_module, self.function), self.baseline, self.inputs,
-                       case, threshold, getattr(torch, dtype), seed=seed)
+                       case, threshold, getattr(torch, dtype), seed=seed, harness=self.harness)
 
 
 def grade_speed(spec: SpeedSpec, student, reference_module, case: tuple, threshold: SpeedThreshold,

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -20,6 +21,9 @@ OPERATIONS = (
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
     "reduce_scatter", "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "barrier",
     "send", "recv", "isend", "irecv", "batch_isend_irecv",
+    # Newer torch's names for all_gather_into_tensor and reduce_scatter_tensor, which it implements by calling them:
+    # a call through the old name is then recorded twice, the inner record marked nested.
+    "all_gather_single", "reduce_scatter_single",
 )  # fmt: skip
 
 
@@ -30,12 +34,18 @@ class Call:
     bytes: int
     async_op: bool
     phase: str
+    # Bytes this call sends to peers: a send's or isend's tensor, the isend operations of a batch_isend_irecv.
+    sent: int = 0
+    # Issued by torch from inside another recorded call (the isend under a send, under a batch_isend_irecv): count
+    # only calls that are not nested, or a message is counted twice.
+    nested: bool = False
 
 
 CALLS: list[Call] = []  # since the last reset(), for the program's checks
 _entered = 0  # every call of the rank's life, never reset: the progress file's sequence numbers
 _phase = "other"
 _progress = None
+_depth = threading.local()  # how many recorded calls this thread is inside
 
 
 def tensor_bytes(value) -> int:
@@ -43,6 +53,14 @@ def tensor_bytes(value) -> int:
         return value.numel() * value.element_size()
     if isinstance(value, (list, tuple)):
         return sum(tensor_bytes(v) for v in value)
+    return 0
+
+
+def sent_bytes(name: str, first) -> int:
+    if name in ("send", "isend"):
+        return tensor_bytes(first)
+    if name == "batch_isend_irecv" and isinstance(first, (list, tuple)):
+        return sum(tensor_bytes(p.tensor) for p in first if getattr(p.op, "__name__", "") == "isend")
     return 0
 
 
@@ -63,12 +81,18 @@ def _wrap(name: str, function):
         global _entered
         _entered += 1
         first = args[0] if args else next(iter(kwargs.values()), None)
-        call = Call(_entered, name, tensor_bytes(first), bool(kwargs.get("async_op", False)), _phase)
+        depth = getattr(_depth, "value", 0)
+        call = Call(_entered, name, tensor_bytes(first), bool(kwargs.get("async_op", False)), _phase,
+                    sent_bytes(name, first), depth > 0)
         CALLS.append(call)
         if _progress is not None:
             _progress.write(f"{call.seq} {name}\n")
             _progress.flush()
-        return function(*args, **kwargs)
+        _depth.value = depth + 1
+        try:
+            return function(*args, **kwargs)
+        finally:
+            _depth.value = depth
 
     recorded.__wrapped_by_grader__ = True
     return recorded

@@ -171,13 +171,15 @@ class Sandbox:
         if self.uses_triton and not reply["launches"]:
             raise RuleViolation(f"{what} launched no Triton kernel: the work must be done by your Triton kernel")
 
-    def time_call(self, function: str, inputs: str, case: tuple, seed: int, check_rules: bool) -> float:
-        """Milliseconds of one GPU call of the student's function on inputs `inputs(*case, seed=seed)`; with
-        check_rules, the call is also watched for forbidden operators and Triton launches (which slows it)."""
+    def time_call(self, function: str, inputs: str, case: tuple, seed: int, check_rules: bool,
+                  harness: str | None = None) -> float:
+        """Milliseconds of one GPU call of the student's function on inputs `inputs(*case, seed=seed)` (through
+        `harness(function, *inputs)` if given, a grader function named like `inputs`); with check_rules, the call is
+        also watched for forbidden operators and Triton launches (which slows it)."""
         what = f"{function}()"
         reply = self.request(
             {"op": "time", "function": function, "inputs": inputs, "case": list(case), "seed": seed,
-             "check_rules": check_rules},
+             "check_rules": check_rules, "harness": harness},
             what,
         )
         self.enforce_rules(reply, what)

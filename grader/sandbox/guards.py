@@ -29,6 +29,18 @@ class _BlockPackage(importlib.abc.MetaPathFinder):
         return None
 
 
+class _RefuseImport(importlib.abc.MetaPathFinder):
+    """Refuses to import a library package that the assignment reimplements."""
+
+    def __init__(self, name: str, why: str):
+        self.name, self.why = name, why
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname == self.name or fullname.startswith(self.name + "."):
+            raise ForbiddenModuleUsed(f"{self.name} may not be used: {self.why}")
+        return None
+
+
 def block_reference(package_name: str | None, directory: Path) -> None:
     """Refuse imports of the reference package (by name, unless None) and any file access below its directory, for
     the process' life. The audit hook cannot be removed once added, so student code cannot undo it.
@@ -75,8 +87,12 @@ class ForbiddenModuleUsed(RuntimeError):
 
 
 def forbid_torch_data_parallel() -> None:
-    """Make torch's own DDP and FSDP wrappers raise when constructed."""
+    """Make torch's own DDP and FSDP wrappers raise when constructed, and torch's activation checkpointing when
+    called."""
     import torch.distributed.fsdp as fsdp
+    import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.nn.functional as distributed_nn_functional
+    import torch.distributed.optim as distributed_optim
     import torch.nn.parallel as parallel
 
     def refuse(cls_name: str):
@@ -85,5 +101,39 @@ def forbid_torch_data_parallel() -> None:
 
         return __init__
 
+    def refuse_call(name: str):
+        def refused(*args, **kwargs):
+            raise ForbiddenModuleUsed(f"{name} may not be used: write the collectives' backward yourself")
+
+        return refused
+
     parallel.DistributedDataParallel.__init__ = refuse("torch.nn.parallel.DistributedDataParallel")
     fsdp.FullyShardedDataParallel.__init__ = refuse("torch.distributed.fsdp.FullyShardedDataParallel")
+    distributed_optim.ZeroRedundancyOptimizer.__init__ = refuse("torch.distributed.optim.ZeroRedundancyOptimizer")
+    # DTensor, parallelize_module (tensor and sequence parallelism) and fully_shard all start from a DeviceMesh.
+    device_mesh.DeviceMesh.__init__ = refuse("torch.distributed.device_mesh.DeviceMesh (torch.distributed.tensor)")
+    # torch's pipeline schedules: refused at import, since importing the package alone takes about a second.
+    sys.meta_path.insert(0, _RefuseImport("torch.distributed.pipelining", "implement the pipeline schedules yourself"))
+    # torch.distributed.nn's collectives come with their backward already written (the f/g pairs of the problems).
+    for name, value in vars(distributed_nn_functional).items():
+        if isinstance(value, type) and issubclass(value, torch.autograd.Function) and value.__module__ == (
+            distributed_nn_functional.__name__
+        ):
+            value.forward = staticmethod(refuse_call(f"torch.distributed.nn.functional ({name})"))
+    forbid_torch_checkpoint()
+
+
+def forbid_torch_checkpoint() -> None:
+    """Make torch's activation checkpointing raise: parallel.activation_checkpointing reimplements it. Replaced in the
+    module before student code imports from it, and at the entry points both of its variants go through."""
+    import torch.utils.checkpoint as checkpoint
+
+    def refuse(name: str):
+        def refused(*args, **kwargs):
+            raise ForbiddenModuleUsed(f"{name} may not be used: implement activation checkpointing yourself")
+
+        return refused
+
+    for name in ("checkpoint", "checkpoint_sequential", "_checkpoint_without_reentrant_generator"):
+        setattr(checkpoint, name, refuse(f"torch.utils.checkpoint.{name}"))
+    checkpoint.CheckpointFunction.forward = staticmethod(refuse("torch.utils.checkpoint.CheckpointFunction"))

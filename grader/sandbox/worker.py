@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import faulthandler
+import functools
 import importlib
 import os
 import socket
@@ -118,6 +119,9 @@ class Worker:
         make_inputs = getattr(importlib.import_module(module_name), function_name)
         args = make_inputs(*request["case"], seed=request["seed"], device=torch.device("cuda"))
         function = getattr(self.module, request["function"])
+        if request.get("harness"):
+            module_name, _, harness_name = request["harness"].partition(":")
+            function = functools.partial(getattr(importlib.import_module(module_name), harness_name), function)
         if self.timer is None:
             self.timer = timing.Timer(torch.device("cuda"))
         if not request["check_rules"]:
