@@ -1,0 +1,328 @@
+"""Grading parallel.ddp_bucketed: data parallelism with one asynchronous all-reduce per bucket of gradients.
+
+The program `train_on_rank` runs inside each rank process with the student's module; everything it returns is
+compared here, in the grader's process, against single-process training on the full batch and against the bucket
+partition the contract pins, computed here from the model.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close
+from grader.distributed import recorder
+from grader.distributed.step_time import compare_step_times
+from grader.marks import multi_gpu
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+from grader.speed import tier_fraction
+
+PROBLEM = BY_ID["parallel.ddp_bucketed"]
+STEPS = 3
+LEARNING_RATE = 0.1
+MOMENTUM = 0.9
+BYTES_PER_MB = 2**20
+
+# All-reduces issued so far when backward reached the input of the last layer, one entry per backward (rank process).
+MARKS: list[int] = []
+
+
+class MarkBackward(torch.autograd.Function):
+    """Identity whose backward notes how many all-reduces had been issued by then. Autograd accumulates the last
+    layer's gradients (and runs their hooks) before it propagates further, so any bucket made only of the last
+    layer's parameters must have been issued when this backward runs."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        MARKS.append(sum(call.op == "all_reduce" for call in recorder.CALLS))
+        return grad
+
+
+class BucketNet(torch.nn.Module):
+    """An MLP of uneven widths with a frozen bias, a weight tied between two layers and a buffer."""
+
+    def __init__(self, width: int, hidden: int, outputs: int):
+        super().__init__()
+        self.first = torch.nn.Linear(width, hidden)
+        self.middle = torch.nn.Linear(hidden, hidden)
+        self.again = torch.nn.Linear(hidden, hidden)
+        self.again.weight = self.middle.weight
+        self.last = torch.nn.Linear(hidden, outputs)
+        self.first.bias.requires_grad_(False)
+        self.register_buffer("input_scale", torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x * self.input_scale))
+        hidden = torch.tanh(self.again(torch.tanh(self.middle(hidden))))
+        return self.last(MarkBackward.apply(hidden))
+
+
+PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias", "again.bias", "last.weight",
+                   "last.bias")  # the order of model.parameters(); again.weight is middle.weight
+LAST_LAYER = {"last.weight", "last.bias"}
+
+
+def make_model(seed: int, config: dict, dtype: torch.dtype = torch.float32) -> BucketNet:
+    torch.manual_seed(seed)
+    return BucketNet(config["width"], config["hidden"], config["outputs"]).to(dtype)
+
+
+def make_batch(config: dict, world_size: int, dtype: torch.dtype = torch.float32):
+    generator = torch.Generator().manual_seed(config["seed"] + 1)
+    rows = config["rows_per_rank"] * world_size
+    x = torch.randn(rows, config["width"], generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, config["outputs"], generator=generator, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def expected_buckets(config: dict) -> list[list[str]]:
+    """The pinned partition: trainable parameters in reverse order, a bucket closed when the next would overflow it."""
+    model = make_model(0, config)
+    limit_bytes = config["bucket_size_mb"] * BYTES_PER_MB
+    buckets, current, current_bytes = [], [], 0
+    for name, param in reversed(list(zip(PARAMETER_NAMES, model.parameters()))):
+        if not param.requires_grad:
+            continue
+        size = param.numel() * param.element_size()
+        if current and current_bytes + size > limit_bytes:
+            buckets.append(current)
+            current, current_bytes = [], 0
+        current.append(name)
+        current_bytes += size
+    return buckets + [current]
+
+
+def bucket_bytes(config: dict, bucket: list[str]) -> int:
+    sizes = dict(zip(PARAMETER_NAMES, (p.numel() * p.element_size() for p in make_model(0, config).parameters())))
+    return sum(sizes[name] for name in bucket)
+
+
+def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
+    """Runs in a rank process: the student's BucketedDDP on this rank's shard, every step recorded."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
+        torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    # Each rank starts from different weights: only the broadcast at construction can make them agree.
+    model = make_model(config["seed"] + 7919 * rank, config).to(device)
+    x, y = make_batch(config, world_size)
+    rows = slice(rank * config["rows_per_rank"], (rank + 1) * config["rows_per_rank"])
+    x_shard, y_shard = x[rows].to(device), y[rows].to(device)
+    ddp = student.BucketedDDP(model, config["bucket_size_mb"])
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE, momentum=MOMENTUM
+    )
+    grads, steps_calls = [], []
+    MARKS.clear()
+    for _ in range(STEPS):
+        recorder.reset()
+        loss = torch.nn.functional.mse_loss(ddp(x_shard), y_shard)
+        with recorder.phase("backward"):
+            loss.backward()
+        with recorder.phase("finish"):
+            ddp.finish_gradient_synchronization()
+        grads.append([None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()])
+        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase) for c in recorder.CALLS])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return {
+        "grads": grads,
+        "final": [p.detach().cpu().clone() for p in model.parameters()],
+        "calls": steps_calls,
+        "marks": list(MARKS),
+    }
+
+
+def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> dict:
+    """The same training on one process over the full batch, from rank 0's initial weights."""
+    model = make_model(config["seed"], config, dtype)
+    x, y = make_batch(config, world_size, dtype)
+    optimizer = torch.optim.SGD(
+        [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE, momentum=MOMENTUM
+    )
+    grads = []
+    for _ in range(STEPS):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return {"grads": grads, "final": [p.detach().clone() for p in model.parameters()]}
+
+
+@st.composite
+def configs(draw, last_layer_buckets: bool = False) -> dict:
+    """Sizes and a bucket limit drawn in bytes (so the partition's edges are hit exactly), given in MB.
+    With `last_layer_buckets`, the limit is at most the last layer's size, so at least one bucket holds only it."""
+    config = {
+        "seed": draw(st.integers(0, 2**20)),
+        "width": draw(st.integers(3, 17)),
+        "hidden": draw(st.integers(3, 17)),
+        "outputs": draw(st.integers(1, 4)),
+        "rows_per_rank": draw(st.integers(1, 5)),
+    }
+    sizes = [p.numel() * p.element_size() for p in make_model(0, config).parameters() if p.requires_grad]
+    last_layer = (config["hidden"] + 1) * config["outputs"] * 4
+    most = last_layer if last_layer_buckets else sum(sizes) + 64
+    # First (and so in the smallest examples) a fraction of the model: buckets of several parameters, which differ
+    # between forward and reverse order; then any limit, and limits equal to one parameter's size.
+    limit = draw(st.one_of(st.integers(3, 8).map(lambda parts: max(1, most // parts)), st.integers(1, most),
+                           st.sampled_from(sizes).filter(lambda s: s <= most)))
+    return {**config, "bucket_size_mb": limit / BYTES_PER_MB}  # exact: a power-of-two divisor
+
+
+def describe(config: dict) -> str:
+    return f"{config} (bucket limit {round(config['bucket_size_mb'] * BYTES_PER_MB)} bytes)"
+
+
+def compare_tensors(actual: list, exact: list, at_fp32: list, what: str, context: str) -> None:
+    for name, a, e, r in zip(PARAMETER_NAMES, actual, exact, at_fp32):
+        if e is None:
+            if a is not None:
+                raise WrongAnswer(f"{what}: the frozen parameter {name} has a .grad; it must stay None ({context})")
+            continue
+        if a is None:
+            raise WrongAnswer(f"{what} of {name} is None ({context})")
+        assert_close(a, e, r, what=f"{what} of {name}", context=context,
+                     multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+
+
+def all_reduces(calls: list[tuple]) -> list[tuple]:
+    return [call for call in calls if call[0] == "all_reduce"]
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(config=configs())
+def test_matches_single_process(ranks, world_size, config):
+    results = ranks.run(train_on_rank, world_size, config)
+    exact = train_single_process(config, world_size, torch.float64)
+    at_fp32 = train_single_process(config, world_size, torch.float32)
+    for rank, result in enumerate(results):
+        context = f"rank {rank} of {world_size}, {describe(config)}"
+        for step in range(STEPS):
+            compare_tensors(result["grads"][step], exact["grads"][step], at_fp32["grads"][step],
+                            f"gradient after step {step + 1}", context)
+        compare_tensors(result["final"], exact["final"], at_fp32["final"], f"weights after {STEPS} steps", context)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs())
+def test_bucket_partition(ranks, world_size, config):
+    results = ranks.run(train_on_rank, world_size, config)
+    buckets = expected_buckets(config)
+    expected = sorted(bucket_bytes(config, bucket) for bucket in buckets)
+    layout = "; ".join(f"[{', '.join(bucket)}] {bucket_bytes(config, bucket)} B" for bucket in buckets)
+    for rank, result in enumerate(results):
+        for step, calls in enumerate(result["calls"], start=1):
+            others = sorted({call[0] for call in calls if call[0] != "all_reduce"})
+            if others:
+                raise WrongAnswer(f"rank {rank}, step {step}: collectives other than all_reduce during a step: "
+                                  f"{others} ({describe(config)})")
+            got = sorted(call[1] for call in all_reduces(calls))
+            if got != expected:
+                raise WrongAnswer(
+                    f"rank {rank}, step {step}: all-reduces of {got} bytes; the pinned buckets are {expected} bytes "
+                    f"(in reverse parameter order, frozen left out, the tied weight once: {layout}), one all-reduce "
+                    f"per bucket ({describe(config)})"
+                )
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs(last_layer_buckets=True))
+def test_overlaps_backward(ranks, world_size, config):
+    results = ranks.run(train_on_rank, world_size, config)
+    buckets = expected_buckets(config)
+    ready_early = sum(set(bucket) <= LAST_LAYER for bucket in buckets)
+    for rank, result in enumerate(results):
+        for step, calls in enumerate(result["calls"], start=1):
+            reduces = all_reduces(calls)
+            late = [c for c in reduces if c[3] != "backward"]
+            blocking = [c for c in reduces if not c[2]]
+            if late:
+                raise WrongAnswer(f"rank {rank}, step {step}: {len(late)} of {len(reduces)} all-reduces were issued "
+                                  "after backward returned; issue each bucket's from the hook of its last gradient "
+                                  f"({describe(config)})")
+            if blocking:
+                raise WrongAnswer(f"rank {rank}, step {step}: {len(blocking)} all-reduces were blocking; "
+                                  "use async_op=True and wait in finish_gradient_synchronization()")
+            issued = result["marks"][step - 1]
+            if issued < ready_early:
+                raise WrongAnswer(
+                    f"rank {rank}, step {step}: when backward had finished the last layer, {issued} all-reduces had "
+                    f"been issued, but {ready_early} bucket(s) hold only last-layer gradients and were complete: "
+                    f"issue a bucket as soon as its last gradient is ready ({describe(config)})"
+                )
+
+
+# --- speed on two GPUs ----------------------------------------------------------------------------------------------
+
+WARMUP_STEPS = 3
+TIMED_STEPS = 10
+SPEED_BUCKET_MB = 25.0
+SPEED_LEARNING_RATE = 1e-3
+
+
+def time_training_steps(student, rank: int, world_size: int, layers: int, width: int, rows: int,
+                        dtype_name: str) -> dict:
+    """Runs in a rank process on its GPU: times whole training steps (forward, backward, gradient synchronisation,
+    optimizer step) with CUDA events, after warm-up steps."""
+    device = torch.device("cuda", torch.cuda.current_device())
+    dtype = getattr(torch, dtype_name)
+    torch.manual_seed(0)
+    stack = []
+    for _ in range(layers):
+        stack += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    model = torch.nn.Sequential(*stack).to(device, dtype)
+    generator = torch.Generator(device=device).manual_seed(1 + rank)
+    x = torch.randn(rows, width, generator=generator, device=device, dtype=dtype)
+    ddp = student.BucketedDDP(model, SPEED_BUCKET_MB)
+    optimizer = torch.optim.SGD(model.parameters(), lr=SPEED_LEARNING_RATE)
+    step_times_s, losses = [], []
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        loss = ddp(x).float().square().mean()
+        loss.backward()
+        ddp.finish_gradient_synchronization()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+        end.record()
+        torch.cuda.synchronize()
+        losses.append(loss.item())
+        if step >= WARMUP_STEPS:
+            step_times_s.append(start.elapsed_time(end) / 1e3)
+    checksum = sum(p.detach().double().sum().item() for p in model.parameters())
+    return {"step_times_s": step_times_s, "losses": losses, "checksum": checksum}
+
+
+def check_timed_training(student_results: list[dict], reference_results: list[dict]) -> None:
+    """The timed run trained the same model as the reference's: same losses and weights within float tolerance."""
+    for rank, (got, want) in enumerate(zip(student_results, reference_results)):
+        for step, (a, b) in enumerate(zip(got["losses"], want["losses"]), start=1):
+            if not abs(a - b) <= 1e-3 * abs(b) + 1e-6:  # also catches NaN
+                raise WrongAnswer(f"timed run, rank {rank}: loss {a:.6g} at step {step}, the reference's {b:.6g}")
+        if not abs(got["checksum"] - want["checksum"]) <= 1e-3 * (abs(want["checksum"]) + 1.0):
+            raise WrongAnswer(f"timed run, rank {rank}: the weights' sum is {got['checksum']:.6g} after training, "
+                              f"the reference's {want['checksum']:.6g}")
+
+
+@multi_gpu(2)
+@pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
+def test_speed(ranks, partial_credit, case):
+    (layers, width, rows), dtype = case
+    times = compare_step_times(ranks, time_training_steps, 2, layers, width, rows, dtype)
+    check_timed_training(times.student_results, times.reference_results)
+    fraction = tier_fraction(times.ratio, PROBLEM.speed)
+    message = (f"{layers} x Linear({width}, {width}), {rows} rows per rank, {dtype}, 2 GPUs: "
+               f"{times.describe()}: {fraction:.0%} of the speed points")
+    if fraction == 0:
+        raise WrongAnswer(message)
+    partial_credit(fraction, message)

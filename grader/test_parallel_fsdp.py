@@ -1,0 +1,456 @@
+"""Grading parallel.fsdp: parameters sharded per unit, gathered around each unit's forward and backward.
+
+The program `train_on_rank` runs inside each rank process with the student's module: it wraps a stack of blocks (one
+unit per block), trains a few steps on the rank's rows, and returns the shards, their gradients, the collectives of
+each step and, when asked, the rank's peak tensor bytes during a step (grader.distributed.memory). Everything is
+compared here against single-process training on the full batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close
+from grader.distributed import recorder
+from grader.distributed.memory import MemoryProbe, probe_point
+from grader.marks import multi_gpu
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+
+PROBLEM = BY_ID["parallel.fsdp"]
+STEPS = 3
+LEARNING_RATE = 0.05
+MEMORY_UNITS = 8  # the memory test's stack: keeping every unit gathered costs twice what is allowed
+ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
+REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
+DTYPES = {None: torch.float32, "bfloat16": torch.bfloat16}
+
+
+class Block(torch.nn.Module):
+    """second(tanh(first(x))), memory probed between the two layers (while the unit's parameters are gathered)."""
+
+    def __init__(self, d_in: int, d_out: int):
+        super().__init__()
+        self.first = torch.nn.Linear(d_in, d_out)
+        self.second = torch.nn.Linear(d_out, d_out)
+        self.memory: MemoryProbe | None = None
+        self.where = ""
+
+    def forward(self, x):
+        return self.second(probe_point(torch.tanh(self.first(x)), self.memory, f"inside {self.where}"))
+
+
+class Stack(torch.nn.Module):
+    """Blocks registered as direct children (the units), tanh between them."""
+
+    def __init__(self, widths: list[int], variant: str):
+        super().__init__()
+        self.count = len(widths) - 1
+        for index in range(self.count):
+            self.add_module(f"block{index}", Block(widths[index], widths[index + 1]))
+        if variant == "frozen":
+            self.block1.first.bias.requires_grad_(False)
+            self.block0.second.weight.requires_grad_(False)
+        if variant == "tied":
+            self.block2.second.weight = self.block0.second.weight
+        self.memory: MemoryProbe | None = None
+
+    def attach(self, memory: MemoryProbe | None) -> None:
+        self.memory = memory
+        for index in range(self.count):
+            block = getattr(self, f"block{index}")
+            block.memory, block.where = memory, f"block{index}"
+
+    def forward(self, x):
+        for index in range(self.count):
+            x = getattr(self, f"block{index}")(x)
+            if index < self.count - 1:
+                x = probe_point(torch.tanh(x), self.memory, f"after block{index}")
+        return x
+
+
+def make_model(config: dict, dtype: torch.dtype = torch.float32) -> Stack:
+    torch.manual_seed(config["seed"])
+    return Stack(config["widths"], config["variant"]).to(dtype)
+
+
+def make_batch(config: dict, world_size: int, dtype: torch.dtype = torch.float32):
+    generator = torch.Generator().manual_seed(config["seed"] + 1)
+    rows = config["rows_per_rank"] * world_size
+    x = torch.randn(rows, config["widths"][0], generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, config["widths"][-1], generator=generator, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimizer:
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.1)
+    return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=0.9)
+
+
+def rank_device() -> torch.device:
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
+    """Runs in a rank process: the student's FSDP on this rank's rows, every step recorded."""
+    device = rank_device()
+    x, y = make_batch(config, world_size)
+    rows = slice(rank * config["rows_per_rank"], (rank + 1) * config["rows_per_rank"])
+    x_shard, y_shard = x[rows].to(device), y[rows].to(device)
+    measure = config.get("measure_memory", False)
+    result = {"grads": [], "calls": [], "peaks": [], "held_between_steps": []}
+    # Opened before the model is built, so that every storage the model and the wrapper create is seen.
+    with MemoryProbe(device) as memory:
+        model = make_model(config).to(device)
+        if measure:
+            # What the plain model's forward keeps for backward: the activations' share of the allowance.
+            memory.start()
+            activations = model(x_shard)
+            result["activation_bytes"] = memory.probe("plain forward")
+            del activations
+            model.attach(memory)
+        fsdp = student.FSDP(model, compute_dtype=DTYPES[config.get("compute_dtype")])
+        shards = fsdp.sharded_parameters()
+        # Copies the checks need would count as held memory: the memory test keeps none.
+        record = not measure
+        result["shards_at_construction"] = [s.detach().cpu().clone() for s in shards] if record else []
+        optimizer = make_optimizer(config["optimizer"], list(shards))
+        for step in range(STEPS):
+            recorder.reset()
+            if measure and step > 0:  # after the first step the gradients and optimizer state exist: the baseline
+                memory.start()
+                result["held_between_steps"].append(memory.baseline)
+            with recorder.phase("forward"):
+                output = fsdp(x_shard)
+            memory.probe("after forward")
+            loss = torch.nn.functional.mse_loss(output.float(), y_shard)
+            with recorder.phase("backward"):
+                loss.backward()
+            memory.probe("after backward")
+            if measure and step > 0:
+                result["peaks"].append(memory.peak_above_start())
+            del output, loss
+            if record:
+                result["grads"].append([None if s.grad is None else s.grad.detach().cpu().clone() for s in shards])
+            result["calls"].append([(c.op, c.bytes, c.phase) for c in recorder.CALLS if not c.nested])
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=not measure)
+    result["final_shards"] = [s.detach().cpu().clone() for s in shards]
+    result["state_dict"] = {k: v.detach().cpu().clone() for k, v in fsdp.full_state_dict().items()}
+    return result
+
+
+def construct_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
+    """Runs in a rank process: construct the student's FSDP and report what it raised, if anything."""
+    try:
+        student.FSDP(make_model(config).to(rank_device()))
+    except NotImplementedError:
+        raise  # a stub: reported as not implemented
+    except Exception as error:  # noqa: BLE001 - the verdict is made in the grader's process
+        return {"raised": [cls.__name__ for cls in type(error).__mro__], "message": f"{type(error).__name__}: {error}"}
+    return {"raised": None, "message": ""}
+
+
+# --- the expected values ------------------------------------------------------------------------------------------
+
+
+def units(model: Stack) -> list[tuple[str, list[tuple[str, torch.Tensor]]]]:
+    """(unit name, its trainable (name, parameter) pairs in flat order) for every child with a trainable parameter."""
+    found = []
+    for name, child in model.named_children():
+        trainable = [(f"{name}.{n}", p) for n, p in child.named_parameters() if p.requires_grad]
+        if trainable:
+            found.append((name, trainable))
+    return found
+
+
+def padded_numel(params: list, world_size: int) -> int:
+    return math.ceil(sum(p.numel() for _, p in params) / world_size) * world_size
+
+
+def shard_of(tensors: list[torch.Tensor], world_size: int, rank: int) -> torch.Tensor:
+    """Rank's shard of the zero-padded concatenation of `tensors`."""
+    flat = torch.cat([t.detach().reshape(-1) for t in tensors])
+    padded = math.ceil(flat.numel() / world_size) * world_size
+    flat = torch.cat([flat, flat.new_zeros(padded - flat.numel())])
+    size = padded // world_size
+    return flat[rank * size : (rank + 1) * size]
+
+
+def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> dict:
+    """The same training on one process over the full batch."""
+    model = make_model(config, dtype)
+    x, y = make_batch(config, world_size, dtype)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    optimizer = make_optimizer(config["optimizer"], trainable)
+    per_unit = units(model)
+    result = {"initial": {n: p.detach().clone() for n, p in model.named_parameters()}, "grads": []}
+    for _ in range(STEPS):
+        # The mean over the full batch equals the mean over ranks of equal-sized shard means.
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        result["grads"].append([[p.grad.clone() for _, p in params] for _, params in per_unit])
+        optimizer.step()
+        optimizer.zero_grad()
+    result["final"] = {n: p.detach().clone() for n, p in model.named_parameters()}
+    result["unit_params"] = [[n for n, _ in params] for _, params in per_unit]
+    return result
+
+
+# --- checks -------------------------------------------------------------------------------------------------------
+
+
+def check_shard(actual, exact: torch.Tensor, at_dtype: torch.Tensor, what: str, context: str,
+                multiple: float = PROBLEM.error_multiple) -> None:
+    if actual is None:
+        raise WrongAnswer(f"{what} is None ({context})")
+    assert_close(actual, exact, at_dtype, what=what, context=context, multiple=multiple,
+                 floor_ulps=PROBLEM.floor_ulps)
+
+
+def check_shards_at_construction(results: list[dict], config: dict, world_size: int) -> None:
+    model = make_model(config)
+    per_unit = units(model)
+    for rank, result in enumerate(results):
+        got = result["shards_at_construction"]
+        if len(got) != len(per_unit):
+            raise WrongAnswer(f"rank {rank}: sharded_parameters() returned {len(got)} shards for {len(per_unit)} units")
+        for (name, params), shard in zip(per_unit, got):
+            want = shard_of([p for _, p in params], world_size, rank)
+            if shard.shape != want.shape or not torch.equal(shard, want):
+                raise WrongAnswer(
+                    f"rank {rank}: the shard of unit {name} after construction is not elements "
+                    f"[{rank} * S, {rank + 1} * S) of the unit's zero-padded flat parameter (S = {want.numel()}, "
+                    f"got {tuple(shard.shape)} elements) ({config})"
+                )
+
+
+def check_training(results: list[dict], config: dict, world_size: int, reference_results: list[dict] | None = None,
+                   multiple: float = PROBLEM.error_multiple) -> None:
+    """Every rank's gradient shards and final shards against single-process training (float64 exact; float32, or
+    the reference's run with the same compute dtype, for the tolerance)."""
+    exact = train_single_process(config, world_size, torch.float64)
+    at_fp32 = train_single_process(config, world_size, torch.float32)
+    names = [name for name, _ in units(make_model(config))]
+    for rank, result in enumerate(results):
+        context = f"rank {rank} of {world_size}, {config}"
+        calibration = reference_results[rank] if reference_results is not None else None
+        for step in range(STEPS):
+            for index, name in enumerate(names):
+                want64 = shard_of(exact["grads"][step][index], world_size, rank)
+                want = (calibration["grads"][step][index] if calibration is not None
+                        else shard_of(at_fp32["grads"][step][index], world_size, rank))
+                check_shard(result["grads"][step][index], want64, want,
+                            f"gradient shard of unit {name} in step {step + 1}", context, multiple)
+        for index, name in enumerate(names):
+            params = exact["unit_params"][index]
+            want64 = shard_of([exact["final"][n] for n in params], world_size, rank)
+            want = (calibration["final_shards"][index] if calibration is not None
+                    else shard_of([at_fp32["final"][n] for n in params], world_size, rank))
+            check_shard(result["final_shards"][index], want64, want, f"shard of unit {name} after {STEPS} steps",
+                        context, multiple)
+
+
+widths = st.lists(st.integers(2, 11), min_size=4, max_size=4)
+configs = st.fixed_dictionaries({
+    "seed": st.integers(0, 2**20),
+    "widths": widths,
+    "rows_per_rank": st.integers(1, 4),
+    "optimizer": st.sampled_from(["sgd", "adamw"]),
+})  # fmt: skip
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_matches_single_process(ranks, world_size, config):
+    config = {**config, "variant": "plain"}
+    results = ranks.run(train_on_rank, world_size, config)
+    check_shards_at_construction(results, config, world_size)
+    check_training(results, config, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_frozen_parameter(ranks, world_size, config):
+    config = {**config, "variant": "frozen"}
+    results = ranks.run(train_on_rank, world_size, config)
+    check_shards_at_construction(results, config, world_size)
+    check_training(results, config, world_size)
+    initial = make_model(config).state_dict()
+    for rank, result in enumerate(results):
+        for name in ("block1.first.bias", "block0.second.weight"):
+            got = result["state_dict"].get(name)
+            if got is None or not torch.equal(got, initial[name]):
+                raise WrongAnswer(f"rank {rank}: the frozen parameter {name} is missing from full_state_dict() or "
+                                  f"changed during training; it must stay as it was ({config})")
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_full_state_dict(ranks, world_size, config):
+    config = {**config, "variant": "plain"}
+    results = ranks.run(train_on_rank, world_size, config)
+    exact = train_single_process(config, world_size, torch.float64)
+    at_fp32 = train_single_process(config, world_size, torch.float32)
+    for rank, result in enumerate(results):
+        got = result["state_dict"]
+        if set(got) != set(exact["final"]):
+            raise WrongAnswer(f"rank {rank}: full_state_dict() has keys {sorted(got)}, expected "
+                              f"{sorted(exact['final'])} (the wrapped module's parameter names)")
+        for name, want64 in exact["final"].items():
+            assert_close(got[name], want64.float(), at_fp32["final"][name], what=f"full_state_dict()[{name!r}]",
+                         context=f"rank {rank} of {world_size} after {STEPS} steps, {config}",
+                         multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_tied_weights_rejected(ranks, world_size, config):
+    config = {**config, "widths": [config["widths"][0], 5, 5, 5], "variant": "tied"}
+    for rank, result in enumerate(ranks.run(construct_on_rank, world_size, config)):
+        if result["raised"] is None or "ValueError" not in result["raised"]:
+            got = f"it raised {result['message']}" if result["raised"] else "it returned normally"
+            raise WrongAnswer(f"rank {rank}: FSDP on a module whose block0.second.weight and block2.second.weight are "
+                              f"one Parameter must raise ValueError (tied weights are not supported); {got}")
+
+
+def check_collectives(results: list[dict], config: dict, world_size: int) -> None:
+    """Per step: one all-gather of each unit's flat parameter in forward and again in backward, one reduce-scatter
+    of each unit's flat gradient in backward, in the compute dtype; nothing else during either."""
+    itemsize = DTYPES[config.get("compute_dtype")].itemsize
+    padded = sorted(padded_numel(params, world_size) for _, params in units(make_model(config)))
+    gathers = sorted(n * itemsize for n in padded)
+    scatters = sorted(n // world_size * itemsize for n in padded)
+    for rank, result in enumerate(results):
+        for step, calls in enumerate(result["calls"], start=1):
+            where = f"rank {rank}, step {step} ({config})"
+            for phase in ("forward", "backward"):
+                issued = [c for c in calls if c[2] == phase]
+                got = sorted(c[1] for c in issued if c[0] in ALL_GATHERS)
+                if got != gathers:
+                    raise WrongAnswer(
+                        f"{where}: all-gathers during {phase} moved {got} bytes; expected one per unit, {gathers} "
+                        f"bytes (each unit's padded flat parameter in the compute dtype): gather before the unit's "
+                        f"{phase} and free after it"
+                    )
+                other = sorted({c[0] for c in issued if c[0] not in ALL_GATHERS + REDUCE_SCATTERS})
+                if other:
+                    raise WrongAnswer(f"{where}: {', '.join(other)} issued during {phase}; only all-gathers and "
+                                      "(in backward) reduce-scatters belong there")
+            got = sorted(c[1] for c in calls if c[0] in REDUCE_SCATTERS and c[2] == "backward")
+            if got != scatters:
+                late = [c for c in calls if c[0] in REDUCE_SCATTERS and c[2] != "backward"]
+                raise WrongAnswer(
+                    f"{where}: reduce-scatters during backward wrote {got} bytes ({len(late)} more issued outside "
+                    f"backward); expected one per unit, {scatters} bytes (each rank's shard of the unit's flat "
+                    "gradient)"
+                )
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_collective_pattern(ranks, world_size, config):
+    config = {**config, "variant": "frozen"}
+    check_collectives(ranks.run(train_on_rank, world_size, config), config, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(seed=st.integers(0, 2**20), width=st.integers(32, 40), optimizer=st.sampled_from(["sgd", "adamw"]))
+def test_peak_parameter_memory(ranks, world_size, seed, width, optimizer):
+    config = {"seed": seed, "widths": [width] * (MEMORY_UNITS + 1), "rows_per_rank": 1, "optimizer": optimizer,
+              "variant": "plain", "measure_memory": True}
+    results = ranks.run(train_on_rank, world_size, config)
+    per_unit = units(make_model(config))
+    unit_bytes = max(padded_numel(params, world_size) for _, params in per_unit) * 4
+    model_bytes = sum(p.numel() for _, params in per_unit for _, p in params) * 4
+    # Between steps a rank holds its shards, their gradients and the optimizer's state per element (momentum; or
+    # AdamW's two moments), and little else: a unit's worth of slack for scalars and bookkeeping.
+    shard_bytes = sum(padded_numel(params, world_size) // world_size for _, params in per_unit) * 4
+    persistent = (2 + (2 if optimizer == "adamw" else 1)) * shard_bytes + unit_bytes
+    for rank, result in enumerate(results):
+        for step, held in enumerate(result["held_between_steps"], start=2):
+            if held > persistent:
+                raise WrongAnswer(
+                    f"rank {rank}: {held} bytes held before step {step}; its shards, their gradients and the "
+                    f"optimizer's state take {persistent - unit_bytes} (allowed {persistent}); the whole model's "
+                    f"parameters are {model_bytes} bytes: nothing full-size may survive from one step to the next "
+                    f"({config})"
+                )
+        allowed = 4 * unit_bytes + 2 * result["activation_bytes"]
+        for step, (peak, where) in enumerate(result["peaks"], start=2):
+            if peak > allowed:
+                raise WrongAnswer(
+                    f"rank {rank}, step {step}: {peak} bytes held above the step's start (highest at {where}); "
+                    f"allowed {allowed} = 4 x the largest unit ({unit_bytes}) + 2 x the activations "
+                    f"({result['activation_bytes']}); the whole model's parameters are {model_bytes} bytes: free each "
+                    f"unit's gathered parameters after its forward and after its backward ({config})"
+                )
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_compute_dtype_bf16(ranks, world_size, config):
+    config = {**config, "variant": "plain", "compute_dtype": "bfloat16"}
+    results = ranks.run(train_on_rank, world_size, config)
+    check_collectives(results, config, world_size)
+    # The tolerance is calibrated on the reference's own bf16 run.
+    check_training(results, config, world_size, ranks.run_reference(train_on_rank, world_size, config),
+                   multiple=PROBLEM.extra["bf16_error_multiple"])
+
+
+# --- speed (two GPUs) ---------------------------------------------------------------------------------------------
+
+TIMED_STEPS = 10
+WARMUP_STEPS = 3
+
+
+def timed_steps_on_rank(student, rank: int, world_size: int, width: int, units_count: int, rows: int,
+                        dtype: str) -> dict:
+    """Runs in a rank process on a GPU: seconds per training step of the module's FSDP after warm-up."""
+    device = rank_device()
+    config = {"seed": 0, "widths": [width] * (units_count + 1), "variant": "plain"}
+    model = make_model(config).to(device)
+    fsdp = student.FSDP(model, compute_dtype=getattr(torch, dtype) if dtype != "float32" else None)
+    optimizer = make_optimizer("adamw", list(fsdp.sharded_parameters()))
+    generator = torch.Generator(device).manual_seed(rank)
+    x = torch.randn(rows, width, device=device, generator=generator)
+    y = torch.randn(rows, width, device=device, generator=generator)
+    times = []
+    for step in range(WARMUP_STEPS + TIMED_STEPS):
+        torch.cuda.synchronize(device)
+        started = time.perf_counter()
+        torch.nn.functional.mse_loss(fsdp(x).float(), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        torch.cuda.synchronize(device)
+        if step >= WARMUP_STEPS:
+            times.append(time.perf_counter() - started)
+    return {"step_times_s": times}
+
+
+@multi_gpu(2)
+@pytest.mark.parametrize("case", PROBLEM.speed.cases() if PROBLEM.speed else [])
+def test_speed(ranks, partial_credit, case):
+    from grader.distributed.step_time import compare_step_times
+    from grader.speed import tier_fraction
+
+    (width, units_count, rows), dtype = case
+    times = compare_step_times(ranks, timed_steps_on_rank, 2, width, units_count, rows, dtype)
+    fraction = tier_fraction(times.ratio, PROBLEM.speed)
+    partial_credit(fraction, f"{width} wide x {units_count} units, {rows} rows per rank, {dtype}: "
+                             f"{times.describe()}: {fraction:.0%} of the speed points")

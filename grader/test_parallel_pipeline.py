@@ -1,0 +1,252 @@
+"""Grading parallel.pipeline: a layer sequence split into stages, trained on micro-batches with GPipe and 1F1B.
+
+The program `train_stage_on_rank` runs inside each rank process: it builds the whole model from a seed, keeps the
+stage's layers, and records from hooks on the stage module the order of its forward calls ("F") and of the backward
+passes through its outputs ("B"). Gradients, losses and weights come back and are compared here with one process
+training the whole model on the full batch; the recorded orders are compared with the pinned schedules.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close, assert_raises
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+
+PROBLEM = BY_ID["parallel.pipeline"]
+STEPS = 2
+LEARNING_RATE = 0.1
+MOMENTUM = 0.9
+
+
+class Layer(torch.nn.Module):
+    """Linear then tanh (no tanh on the model's last layer, so outputs are unbounded like a regression head)."""
+
+    def __init__(self, width_in: int, width_out: int, activation: bool):
+        super().__init__()
+        self.linear = torch.nn.Linear(width_in, width_out)
+        self.activation = activation
+
+    def forward(self, x):
+        y = self.linear(x)
+        return torch.tanh(y) if self.activation else y
+
+
+def make_layers(config: dict, dtype: torch.dtype = torch.float32) -> list[Layer]:
+    torch.manual_seed(config["seed"])
+    widths = config["widths"]
+    layers = [Layer(widths[i], widths[i + 1], i + 2 < len(widths)).to(dtype) for i in range(len(widths) - 1)]
+    layers[0].linear.bias.requires_grad_(False)  # a frozen parameter: it must get no gradient
+    return layers
+
+
+def make_batch(config: dict, dtype: torch.dtype = torch.float32) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(config["seed"] + 1)
+    rows = config["rows_per_micro_batch"] * config["micro_batches"]
+    x = torch.randn(rows, config["widths"][0], generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, config["widths"][-1], generator=generator, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def layer_parameters(layers) -> list[torch.Tensor]:
+    return [p for layer in layers for p in layer.parameters()]
+
+
+class RecordBackward(torch.autograd.Function):
+    """Identity on the stage's output whose backward notes that a gradient came back through the stage."""
+
+    @staticmethod
+    def forward(ctx, output, events):
+        ctx.events = events
+        return output.view_as(output)
+
+    @staticmethod
+    def backward(ctx, grad):
+        ctx.events.append("B")
+        return grad, None
+
+
+def train_stage_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
+    """Runs in a rank process: STEPS optimizer steps of this rank's stage, with its event order per step."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
+        torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    layers = make_layers(config)
+    first, last = config["bounds"][rank], config["bounds"][rank + 1]
+    stage = torch.nn.Sequential(*layers[first:last]).to(device)
+    events: list[str] = []
+    stage.register_forward_pre_hook(lambda module, args: events.append("F"))
+    stage.register_forward_hook(lambda module, args, output: RecordBackward.apply(output, events))
+    x, y = make_batch(config)
+    micro_rows = config["rows_per_micro_batch"]
+    input_shape = (micro_rows, config["widths"][first])
+    optimizer = torch.optim.SGD([p for p in stage.parameters() if p.requires_grad], lr=LEARNING_RATE,
+                                momentum=MOMENTUM)
+    grads, losses, orders = [], [], []
+    for _ in range(STEPS):
+        events.clear()
+        loss = student.pipeline_step(
+            stage, x.to(device) if rank == 0 else None, y.to(device) if rank == world_size - 1 else None,
+            config["micro_batches"], config["schedule"], input_shape, torch.nn.functional.mse_loss,
+        )
+        losses.append(None if loss is None else torch.as_tensor(loss).detach().cpu().clone())
+        grads.append([None if p.grad is None else p.grad.detach().cpu().clone() for p in stage.parameters()])
+        orders.append(list(events))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return {"grads": grads, "losses": losses, "orders": orders,
+            "final": [p.detach().cpu().clone() for p in stage.parameters()]}
+
+
+def train_single_process(config: dict, dtype: torch.dtype, reference) -> dict:
+    """The whole model on one process and the full batch, from the same initial weights."""
+    layers = make_layers(config, dtype)
+    x, y = make_batch(config, dtype)
+    optimizer = torch.optim.SGD([p for p in layer_parameters(layers) if p.requires_grad], lr=LEARNING_RATE,
+                                momentum=MOMENTUM)
+    grads, losses = [], []
+    for _ in range(STEPS):
+        losses.append(reference.pipeline_step_torch(layers, x, y, torch.nn.functional.mse_loss))
+        grads.append([None if p.grad is None else p.grad.detach().clone() for p in layer_parameters(layers)])
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=False)
+    return {"grads": grads, "losses": losses, "final": [p.detach().clone() for p in layer_parameters(layers)]}
+
+
+def expected_order(schedule: str, stages: int, stage: int, micro_batches: int) -> list[str]:
+    if schedule == "gpipe":
+        return ["F"] * micro_batches + ["B"] * micro_batches
+    warmup = min(stages - stage - 1, micro_batches)
+    return ["F"] * warmup + ["F", "B"] * (micro_batches - warmup) + ["B"] * warmup
+
+
+def most_in_flight(order: list[str]) -> int:
+    held = most = 0
+    for kind in order:
+        held += 1 if kind == "F" else -1
+        most = max(most, held)
+    return most
+
+
+@st.composite
+def configs(draw, world_size: int, schedule: str, micro_batches=None) -> dict:
+    """A model of world_size..world_size+3 layers split into world_size contiguous, unevenly sized stages.
+
+    Each strategy lists a typical range first: with a budget of one example, hypothesis draws the simplest value of
+    the first alternative, which must still be a case that tells loss scaling and schedules apart (m >= 3).
+    """
+    layers = draw(st.integers(world_size + 1, world_size + 3) | st.just(world_size))
+    cuts = sorted(draw(st.lists(st.integers(1, layers - 1), min_size=world_size - 1, max_size=world_size - 1,
+                                unique=True)))
+    return {
+        "seed": draw(st.integers(0, 2**20)),
+        "widths": draw(st.lists(st.integers(2, 7) | st.just(1), min_size=layers + 1, max_size=layers + 1)),
+        "bounds": [0, *cuts, layers],
+        "micro_batches": draw(st.integers(3, 5) | st.integers(1, 2) if micro_batches is None else micro_batches),
+        "rows_per_micro_batch": draw(st.integers(2, 3) | st.just(1)),
+        "schedule": schedule,
+    }
+
+
+def compare_tensors(actual: list, exact: list, at_fp32: list, what: str, context: str) -> None:
+    for index, (a, e, r) in enumerate(zip(actual, exact, at_fp32, strict=True)):
+        if e is None:
+            if a is not None:
+                raise WrongAnswer(f"{what} of frozen parameter {index} of the stage is not None ({context})")
+            continue
+        if a is None:
+            raise WrongAnswer(f"{what} of parameter {index} of the stage is None ({context})")
+        assert_close(a, e, r, what=f"{what} of the stage's parameter {index}", context=context,
+                     multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+
+
+def check_training(results: list[dict], config: dict, world_size: int, reference) -> None:
+    exact = train_single_process(config, torch.float64, reference)
+    at_fp32 = train_single_process(config, torch.float32, reference)
+    layers = make_layers(config)
+    for rank, result in enumerate(results):
+        context = f"stage {rank} of {world_size}, {config}"
+        # This stage's slice of the whole model's parameter list.
+        start = len(layer_parameters(layers[: config["bounds"][rank]]))
+        stop = len(layer_parameters(layers[: config["bounds"][rank + 1]]))
+        for step in range(STEPS):
+            compare_tensors(result["grads"][step], exact["grads"][step][start:stop],
+                            at_fp32["grads"][step][start:stop], f"gradient after step {step + 1}", context)
+        compare_tensors(result["final"], exact["final"][start:stop], at_fp32["final"][start:stop],
+                        f"weights after {STEPS} steps", context)
+    last = results[-1]["losses"]
+    for step in range(STEPS):
+        if last[step] is None:
+            raise WrongAnswer(f"the last stage returned None as the loss of step {step + 1}; return the full-batch "
+                              f"mean loss ({config})")
+        assert_close(last[step].reshape(()), exact["losses"][step], at_fp32["losses"][step],
+                     what=f"loss returned by the last stage at step {step + 1}", context=f"{config}",
+                     multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+
+
+def check_orders(results: list[dict], config: dict, world_size: int) -> None:
+    m, schedule = config["micro_batches"], config["schedule"]
+    if schedule == "1f1b":
+        # The memory bound first, on every stage: it is what 1F1B is for.
+        for rank, result in enumerate(results):
+            for step, got in enumerate(result["orders"], start=1):
+                if most_in_flight(got) > world_size - rank:
+                    raise WrongAnswer(
+                        f"stage {rank} of {world_size}, step {step}: order {''.join(got)} holds "
+                        f"{most_in_flight(got)} micro-batches in flight; 1F1B allows at most p - s = "
+                        f"{world_size - rank} (expected {''.join(expected_order(schedule, world_size, rank, m))}; "
+                        f"{config})")
+    for rank, result in enumerate(results):
+        want = expected_order(schedule, world_size, rank, m)
+        for step, got in enumerate(result["orders"], start=1):
+            if got != want:
+                raise WrongAnswer(f"stage {rank} of {world_size}, step {step}: forward/backward order {''.join(got)}, "
+                                  f"expected {''.join(want)} for schedule {schedule!r} with m = {m} ({config})")
+
+
+@examples(PROBLEM, fraction=10)
+@given(stages=st.integers(1, 64), micro_batches=st.integers(1, 512))
+def test_bubble_fraction(student, stages, micro_batches):
+    got = student.call("bubble_fraction", stages, micro_batches)
+    want = (stages - 1) / (micro_batches + stages - 1)
+    if not isinstance(got, float) or abs(got - want) > 1e-12:
+        raise WrongAnswer(f"bubble_fraction({stages}, {micro_batches}) returned {got!r}; expected "
+                          f"(p - 1) / (m + p - 1) = {want!r}")
+    for bad in ((0, micro_batches), (stages, 0)):
+        assert_raises(student.raises("bubble_fraction", *bad), "ValueError", f"bubble_fraction{bad}")
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_gpipe_matches_single_process(ranks, reference, world_size, data):
+    config = data.draw(configs(world_size, "gpipe"))
+    check_training(ranks.run(train_stage_on_rank, world_size, config), config, world_size, reference)
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_one_f_one_b_matches_single_process(ranks, reference, world_size, data):
+    config = data.draw(configs(world_size, "1f1b"))
+    check_training(ranks.run(train_stage_on_rank, world_size, config), config, world_size, reference)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_gpipe_order(ranks, world_size, data):
+    config = data.draw(configs(world_size, "gpipe", micro_batches=st.integers(2, 6)))
+    check_orders(ranks.run(train_stage_on_rank, world_size, config), config, world_size)
+
+
+@pytest.mark.parametrize("world_size", [4])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_one_f_one_b_order(ranks, world_size, data):
+    # m >= p: every stage goes through warm-up, steady state and cool-down.
+    config = data.draw(configs(world_size, "1f1b", micro_batches=st.integers(world_size, 2 * world_size + 1)))
+    check_orders(ranks.run(train_stage_on_rank, world_size, config), config, world_size)

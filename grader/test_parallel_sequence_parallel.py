@@ -1,0 +1,377 @@
+"""Grading parallel.sequence_parallel: all-gather / reduce-scatter along the sequence and a sequence-parallel MLP block.
+
+Rank programs run inside each rank process. `run_collectives` checks the two sequence collectives exactly, on
+integer-valued tensors whose sums are exact in float32. `run_block` builds the student's block from full weights every
+rank draws alike, runs a few forward/backward/SGD steps on the rank's tokens, and returns outputs, gradients and the
+collectives of each phase. Here the single-rank block (the reference's `mlp_block_torch`) runs the same steps on the
+full sequence in float64 (expected) and float32 (calibration), and each rank is compared with its slice. The tolerance's
+floor is relative to the largest value of the step (see floor_ulps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close, assert_equal
+from grader.distributed import recorder
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+
+PROBLEM = BY_ID["parallel.sequence_parallel"]
+LEARNING_RATE = 0.1
+# How each of the student's parameters is cut out of the single-rank block's: rows, columns, or replicated.
+PARAMETERS = {"norm.weight": "full", "norm.bias": "full", "fc1.weight": "rows", "fc1.bias": "rows",
+              "fc2.weight": "columns", "fc2.bias": "full"}
+# The recorder names each call by the function called; every form of a collective counts as the collective.
+SAME_OP = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
+           "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
+
+
+def floor_ulps(expected64: torch.Tensor, step: dict) -> float:
+    """The problem's floor, in ulps of the largest value of the whole step (output and gradients) rather than of this
+    tensor: a small gradient is a sum whose terms cancel, and it is exact only to the rounding of those terms, which
+    is all a float32 computation in another order can promise."""
+    tensors = [step["output"], step["input_grad"], *step["grads"].values()]
+    step_scale = max(float(t.abs().max()) for t in tensors if t.numel())
+    own_scale = float(expected64.abs().max()) if expected64.numel() else 0.0
+    return PROBLEM.floor_ulps * (step_scale / own_scale if own_scale > 0 else 1.0)
+
+
+def rank_device() -> torch.device:
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def sequence_shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return t.chunk(world_size, dim=1)[rank]
+
+
+def calls_by_phase() -> dict[str, list[tuple[str, int]]]:
+    phases: dict[str, list[tuple[str, int]]] = {}
+    # A call torch makes from inside another (newer torch's all_gather_into_tensor calls all_gather_single) is the
+    # same collective: count the outer one only.
+    for call in (c for c in recorder.CALLS if not getattr(c, "nested", False)):
+        phases.setdefault(call.phase, []).append((SAME_OP.get(call.op, call.op), call.bytes))
+    return phases
+
+
+# --- the two collectives ------------------------------------------------------------------------------------------
+
+
+def integer_tensor(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Small integers as float32: every sum of a few of them is exact, whatever the order."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, shape, generator=generator).float()
+
+
+def collective_tensors(case: dict, rank: int) -> dict[str, torch.Tensor]:
+    b, t, d, n = case["batch"], case["tokens_per_rank"], case["width"], case["world_size"]
+    seed = case["seed"] * 97 + 4 * rank
+    return {
+        "gather_input": integer_tensor(seed, (b, t, d)),
+        "gather_upstream": integer_tensor(seed + 1, (b, n * t, d)),
+        "scatter_input": integer_tensor(seed + 2, (b, n * t, d)),
+        "scatter_upstream": integer_tensor(seed + 3, (b, t, d)),
+    }
+
+
+def run_collectives(student, rank: int, world_size: int, case: dict) -> dict:
+    device = rank_device()
+    tensors = {k: v.to(device) for k, v in collective_tensors(case, rank).items()}
+    results = {}
+    for name, function in (("gather", student.gather_sequence), ("scatter", student.reduce_scatter_sequence)):
+        x = tensors[f"{name}_input"].clone().requires_grad_(True)
+        recorder.reset()
+        with recorder.phase("forward"):
+            out = function(x)
+        backward_error = None
+        try:
+            with recorder.phase("backward"):
+                out.backward(tensors[f"{name}_upstream"])
+        except RuntimeError as error:  # a wrong shape, say: reported after the output has been checked
+            backward_error = f"{type(error).__name__}: {error}"
+        results[name] = {"output": out.detach().cpu(), "input_grad": None if x.grad is None else x.grad.cpu(),
+                         "input_after": x.detach().cpu(), "calls": calls_by_phase(), "backward_error": backward_error}
+    return results
+
+
+def expected_collectives(case: dict, rank: int) -> dict[str, dict[str, torch.Tensor]]:
+    n = case["world_size"]
+    per_rank = [collective_tensors(case, r) for r in range(n)]
+    return {
+        "gather": {
+            "output": torch.cat([p["gather_input"] for p in per_rank], dim=1),
+            "input_grad": sum(sequence_shard(p["gather_upstream"], rank, n) for p in per_rank),
+        },
+        "scatter": {
+            "output": sum(sequence_shard(p["scatter_input"], rank, n) for p in per_rank),
+            "input_grad": torch.cat([p["scatter_upstream"] for p in per_rank], dim=1),
+        },
+    }
+
+
+def expected_collective_calls(case: dict) -> dict[str, dict[str, list[tuple[str, int]]]]:
+    local = case["batch"] * case["tokens_per_rank"] * case["width"] * 4
+    full = local * case["world_size"]
+    return {
+        "gather": {"forward": [("all_gather", full)], "backward": [("reduce_scatter", local)]},
+        "scatter": {"forward": [("reduce_scatter", local)], "backward": [("all_gather", full)]},
+    }
+
+
+def describe_calls(calls: list[tuple[str, int]]) -> str:
+    return "[" + "; ".join(f"{op} of {size} bytes" for op, size in calls) + "]" if calls else "none"
+
+
+def collective_cases(world_size: int) -> st.SearchStrategy[dict]:
+    # The simplest draw (the only one under a budget of 1) has several sequences, tokens and features per rank.
+    return st.fixed_dictionaries({
+        "world_size": st.just(world_size), "seed": st.integers(0, 2**20), "batch": st.integers(2, 3),
+        "tokens_per_rank": st.integers(2, 4), "width": st.integers(3, 6),
+    })
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_gather_and_reduce_scatter(ranks, world_size, data):
+    case = data.draw(collective_cases(world_size))
+    names = {"gather": "gather_sequence", "scatter": "reduce_scatter_sequence"}
+    for rank, result in enumerate(ranks.run(run_collectives, world_size, case)):
+        expected = expected_collectives(case, rank)
+        calls = expected_collective_calls(case)
+        for name, function in names.items():
+            context = (f"rank {rank} of {world_size}, x_local_BtD [{case['batch']}, {case['tokens_per_rank']}, "
+                       f"{case['width']}] per rank, integer values, seed={case['seed']}")
+            got = result[name]
+            assert_equal(got["input_after"], collective_tensors(case, rank)[f"{name}_input"],
+                         what=f"{function}'s argument after the call (it must not be modified)", context=context)
+            assert_equal(got["output"], expected[name]["output"], what=f"{function} output", context=context)
+            if got["backward_error"] is not None:
+                raise WrongAnswer(f"{function}'s backward raised {got['backward_error']} ({context})")
+            if got["input_grad"] is None:
+                raise WrongAnswer(f"{function}: no gradient reached its input ({context})")
+            assert_equal(got["input_grad"], expected[name]["input_grad"], what=f"{function} input gradient",
+                         context=context)
+            for phase in ("forward", "backward"):
+                issued = got["calls"].get(phase, [])
+                if issued != calls[name][phase]:
+                    raise WrongAnswer(f"{function} issued {describe_calls(issued)} in {phase}; expected exactly "
+                                      f"{describe_calls(calls[name][phase])} ({context})")
+
+
+# --- the block ----------------------------------------------------------------------------------------------------
+
+
+def full_block(case: dict, dtype: torch.dtype = torch.float32):
+    """The single-rank block's modules, identical wherever they are built from the same case."""
+    torch.manual_seed(case["seed"])
+    d, f = case["width"], case["hidden_per_rank"] * case["world_size"]
+    norm = torch.nn.LayerNorm(d, eps=case["eps"])
+    with torch.no_grad():  # LayerNorm starts at weight 1, bias 0: draw both so that their gradients matter
+        norm.weight.copy_(1 + 0.5 * torch.randn(d))
+        norm.bias.copy_(0.5 * torch.randn(d))
+    fc1 = torch.nn.Linear(d, f, bias=case["bias"])
+    fc2 = torch.nn.Linear(f, d, bias=case["bias"])
+    return norm.to(dtype), fc1.to(dtype), fc2.to(dtype)
+
+
+def step_tensors(case: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """The full input x, the upstream gradient of the full output and the dropout seed at `step` (float64)."""
+    generator = torch.Generator().manual_seed(case["seed"] * 31 + step)
+    shape = (case["batch"], case["tokens_per_rank"] * case["world_size"], case["width"])
+    x = torch.randn(shape, generator=generator, dtype=torch.float64)
+    upstream = torch.randn(shape, generator=generator, dtype=torch.float64)
+    return x, upstream, case["seed"] + 1000 * step
+
+
+def run_block(student, rank: int, world_size: int, case: dict) -> dict:
+    device = rank_device()
+    norm, fc1, fc2 = (m.to(device) for m in full_block(case))
+    block = student.SequenceParallelMLPBlock(norm, fc1, fc2, case["dropout_p"])
+    parameters = dict(block.named_parameters())
+    optimizer = torch.optim.SGD(list(parameters.values()), lr=LEARNING_RATE)
+    steps = []
+    for step in range(case["steps"]):
+        x, upstream, seed = step_tensors(case, step)
+        x = sequence_shard(x, rank, world_size).to(device, torch.float32).requires_grad_(True)
+        recorder.reset()
+        with recorder.phase("forward"):
+            output = block(x, seed)
+        with recorder.phase("backward"):
+            output.backward(sequence_shard(upstream, rank, world_size).to(device, torch.float32))
+        with recorder.phase("gradient synchronisation"):
+            block.all_reduce_replicated_gradients()
+        steps.append({
+            "output": output.detach().cpu(),
+            "input_grad": None if x.grad is None else x.grad.cpu(),
+            "grads": {name: None if p.grad is None else p.grad.cpu().clone() for name, p in parameters.items()},
+            "calls": calls_by_phase(),
+        })
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return {"parameters": sorted(parameters), "steps": steps}
+
+
+def single_rank_steps(reference, case: dict, dtype: torch.dtype) -> list[dict]:
+    norm, fc1, fc2 = full_block(case)  # drawn in float32, as on the ranks, then converted
+    parameters = {f"{prefix}.{name}": p.detach().to(dtype).requires_grad_(True)
+                  for prefix, module in (("norm", norm), ("fc1", fc1), ("fc2", fc2))
+                  for name, p in module.named_parameters()}
+    p = parameters.get
+    steps = []
+    for step in range(case["steps"]):
+        x, upstream, seed = step_tensors(case, step)
+        x = x.to(dtype).requires_grad_(True)
+        output = reference.mlp_block_torch(x, p("norm.weight"), p("norm.bias"), case["eps"], p("fc1.weight"),
+                                           p("fc1.bias"), p("fc2.weight"), p("fc2.bias"), case["dropout_p"], seed)
+        output.backward(upstream.to(dtype))
+        steps.append({"output": output.detach(), "input_grad": x.grad,
+                      "grads": {name: t.grad.clone() for name, t in parameters.items()}})
+        with torch.no_grad():
+            for t in parameters.values():
+                t -= LEARNING_RATE * t.grad
+                t.grad = None
+    return steps
+
+
+def describe(case: dict, step: int) -> str:
+    n = case["world_size"]
+    return (f"x [{case['batch']}, {case['tokens_per_rank'] * n}, {case['width']}] split into {n} sequence shards, "
+            f"F={case['hidden_per_rank'] * n}, bias={case['bias']}, eps={case['eps']}, "
+            f"dropout_p={case['dropout_p']}, seed={case['seed']}, step {step} of {case['steps']}")
+
+
+def shard_of(full: torch.Tensor, how: str, rank: int, world_size: int) -> torch.Tensor:
+    if how == "rows":
+        return full.chunk(world_size, dim=0)[rank]
+    if how == "columns":
+        return full.chunk(world_size, dim=1)[rank]
+    return full
+
+
+def check_block(reference, case: dict, results: list[dict]) -> None:
+    world_size = case["world_size"]
+    expected_names = sorted(n for n in PARAMETERS if case["bias"] or n not in ("fc1.bias", "fc2.bias"))
+    exact = single_rank_steps(reference, case, torch.float64)
+    at_fp32 = single_rank_steps(reference, case, torch.float32)
+    for rank, result in enumerate(results):
+        if result["parameters"] != expected_names:
+            raise WrongAnswer(f"the block's named_parameters() are {result['parameters']}, expected {expected_names} "
+                              f"(rank {rank} of {world_size}, {describe(case, 1)})")
+        for step, (got, e, r) in enumerate(zip(result["steps"], exact, at_fp32), start=1):
+            context = f"rank {rank} of {world_size}, {describe(case, step)}"
+
+            def close(actual, expected64, reference32, what):
+                if actual is None:
+                    raise WrongAnswer(f"{what} is None: no gradient reached it ({context})")
+                assert_close(actual, expected64, reference32, what=what, context=context,
+                             multiple=PROBLEM.error_multiple, floor_ulps=floor_ulps(expected64, e))
+
+            tokens = lambda t: sequence_shard(t, rank, world_size)  # noqa: E731
+            close(got["output"], tokens(e["output"]), tokens(r["output"]), "output (this rank's tokens)")
+            close(got["input_grad"], tokens(e["input_grad"]), tokens(r["input_grad"]), "input gradient")
+            for name in expected_names:
+                how = PARAMETERS[name]
+                close(got["grads"][name], shard_of(e["grads"][name], how, rank, world_size),
+                      shard_of(r["grads"][name], how, rank, world_size),
+                      f"gradient of {name} after all_reduce_replicated_gradients()")
+
+
+def block_cases(world_size: int, dropout: st.SearchStrategy[float], steps: int) -> st.SearchStrategy[dict]:
+    # The simplest draw (the only one under a budget of 1) has biases, several sequences, tokens and features.
+    return st.fixed_dictionaries({
+        "world_size": st.just(world_size), "steps": st.just(steps), "dropout_p": dropout,
+        "seed": st.integers(0, 2**20), "batch": st.integers(2, 3), "tokens_per_rank": st.integers(2, 4),
+        "width": st.integers(3, 8), "hidden_per_rank": st.integers(2, 4), "bias": st.sampled_from([True, False]),
+        "eps": st.sampled_from([1e-5, 1e-3]),
+    })
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_block_matches_single_rank(ranks, reference, world_size, data):
+    case = data.draw(block_cases(world_size, st.just(0.0), steps=2))
+    check_block(reference, case, ranks.run(run_block, world_size, case))
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_dropout_matches_single_rank(ranks, reference, world_size, data):
+    case = data.draw(block_cases(world_size, st.sampled_from([0.5, 0.25, 0.1]), steps=2))
+    check_block(reference, case, ranks.run(run_block, world_size, case))
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_collective_pattern(ranks, world_size, data):
+    case = data.draw(block_cases(world_size, st.just(0.0), steps=1))
+    local = case["batch"] * case["tokens_per_rank"] * case["width"] * 4
+    full = local * world_size
+    replicated = (2 + case["bias"]) * case["width"] * 4  # norm.weight, norm.bias and fc2.bias, float32
+    expected = {
+        "forward": [("all_gather", full), ("reduce_scatter", local)],
+        "backward": [("all_gather", full), ("reduce_scatter", local)],
+    }
+    for rank, result in enumerate(ranks.run(run_block, world_size, case)):
+        context = f"rank {rank} of {world_size}, {describe(case, 1)}"
+        calls = result["steps"][0]["calls"]
+        for phase, wanted in expected.items():
+            if calls.get(phase, []) != wanted:
+                raise WrongAnswer(f"one {phase} of the block issued {describe_calls(calls.get(phase, []))}; expected "
+                                  f"exactly {describe_calls(wanted)}: all-gather before fc1, reduce-scatter after "
+                                  f"fc2 (and their conjugates in backward), no all-reduce ({context})")
+        synchronisation = calls.get("gradient synchronisation", [])
+        ops = {op for op, _ in synchronisation}
+        total = sum(size for _, size in synchronisation)
+        if ops != {"all_reduce"} or total != replicated:
+            raise WrongAnswer(f"all_reduce_replicated_gradients() issued {describe_calls(synchronisation)}; expected "
+                              f"all-reduces of the {replicated} bytes of the replicated parameters' gradients "
+                              f"(norm.weight, norm.bias{', fc2.bias' if case['bias'] else ''}) and nothing else "
+                              f"({context})")
+        unexpected = sorted(set(calls) - {"forward", "backward", "gradient synchronisation"})
+        if unexpected:
+            raise WrongAnswer(f"collectives were issued outside forward, backward and synchronisation: "
+                              f"{ {p: calls[p] for p in unexpected} } ({context})")
+
+
+def call_invalid(student, rank: int, world_size: int) -> dict:
+    """Runs in a rank process: each invalid call, and what it raised."""
+    n = world_size
+    attempts = {
+        f"reduce_scatter_sequence(x of shape [1, {2 * n + 1}, 3])": lambda: student.reduce_scatter_sequence(
+            torch.zeros(1, 2 * n + 1, 3)),
+        f"SequenceParallelMLPBlock with fc1 = Linear(3, {2 * n + 1}), fc2 = Linear({2 * n + 1}, 3)": lambda: (
+            student.SequenceParallelMLPBlock(torch.nn.LayerNorm(3), torch.nn.Linear(3, 2 * n + 1),
+                                             torch.nn.Linear(2 * n + 1, 3), 0.0)),
+        "SequenceParallelMLPBlock with dropout_p=1.0": lambda: student.SequenceParallelMLPBlock(
+            torch.nn.LayerNorm(3), torch.nn.Linear(3, 2 * n), torch.nn.Linear(2 * n, 3), 1.0),
+        "SequenceParallelMLPBlock with dropout_p=-0.1": lambda: student.SequenceParallelMLPBlock(
+            torch.nn.LayerNorm(3), torch.nn.Linear(3, 2 * n), torch.nn.Linear(2 * n, 3), -0.1),
+    }
+    raised = {}
+    for call, attempt in attempts.items():
+        try:
+            attempt()
+            raised[call] = None
+        except NotImplementedError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the kind of error is what is graded
+            raised[call] = [cls.__name__ for cls in type(error).__mro__]
+    return raised
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_invalid_arguments(ranks, world_size):
+    for rank, raised in enumerate(ranks.run(call_invalid, world_size)):
+        for call, type_names in raised.items():
+            if type_names is None or "ValueError" not in type_names:
+                got = "it returned normally" if type_names is None else f"it raised {type_names[0]}"
+                raise WrongAnswer(f"{call} on rank {rank} of {world_size} must raise ValueError; {got}")

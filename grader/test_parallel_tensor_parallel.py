@@ -1,0 +1,337 @@
+"""Grading parallel.tensor_parallel: column/row-parallel linear layers, a tensor-parallel MLP and attention block.
+
+The program `run_layer` runs inside each rank process: it builds the student's sharded layer from full weights that
+every rank draws alike, runs a few forward/backward/SGD steps and returns outputs, gradients and the collectives of
+each step. Here, in the grader's process, the single-rank module (the reference's `*_torch`) runs the same steps on
+the full weights in float64 (the expected values) and float32 (the calibration), and each rank's results are compared
+with the slice of them it should hold. The tolerance's floor is relative to the largest value of the step (see
+floor_ulps).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close
+from grader.distributed import recorder
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+
+PROBLEM = BY_ID["parallel.tensor_parallel"]
+LEARNING_RATE = 0.1
+KINDS = ("column", "row", "mlp", "attention")
+# Which of the student's parameters each kind has, and how each is cut out of the full one: "rows" (dim 0),
+# "columns" (dim 1), "qkv" (rank r's rows of each of the q, k, v blocks) or "full" (replicated).
+PARAMETERS = {
+    "column": {"weight": "rows", "bias": "rows"},
+    "row": {"weight": "columns", "bias": "full"},
+    "mlp": {"fc1.weight": "rows", "fc1.bias": "rows", "fc2.weight": "columns", "fc2.bias": "full"},
+    "attention": {"qkv.weight": "qkv", "qkv.bias": "qkv", "proj.weight": "columns", "proj.bias": "full"},
+}
+# Whether the layer's input and output are sharded along their last dimension (else replicated).
+SHARDED_INPUT = {"column": False, "row": True, "mlp": False, "attention": False}
+SHARDED_OUTPUT = {"column": True, "row": False, "mlp": False, "attention": False}
+
+
+def floor_ulps(expected64: torch.Tensor, step: dict) -> float:
+    """The problem's floor, in ulps of the largest value of the whole step (output and gradients) rather than of this
+    tensor: a small gradient is a sum whose terms cancel, and it is exact only to the rounding of those terms, which
+    is all a float32 computation in another order can promise."""
+    tensors = [step["output"], step["input_grad"], *step["grads"].values()]
+    step_scale = max(float(t.abs().max()) for t in tensors if t.numel())
+    own_scale = float(expected64.abs().max()) if expected64.numel() else 0.0
+    return PROBLEM.floor_ulps * (step_scale / own_scale if own_scale > 0 else 1.0)
+
+
+def rank_device() -> torch.device:
+    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
+def full_linears(case: dict, dtype: torch.dtype = torch.float32) -> dict[str, torch.nn.Linear]:
+    """The single-rank module's linear layers, identical wherever they are built from the same case."""
+    torch.manual_seed(case["seed"])
+    kind = case["kind"]
+    if kind == "attention":
+        d = attention_width(case)
+        shapes = {"qkv": (d, 3 * d), "proj": (d, d)}
+    else:
+        d, hidden = case["width"], case["per_rank"] * case["world_size"]
+        shapes = {"column": {"": (d, hidden)}, "row": {"": (hidden, d)},
+                  "mlp": {"fc1": (d, hidden), "fc2": (hidden, d)}}[kind]
+    return {name: torch.nn.Linear(i, o, bias=case["bias"]).to(dtype) for name, (i, o) in shapes.items()}
+
+
+def attention_width(case: dict) -> int:
+    return case["heads_per_rank"] * case["world_size"] * case["head_dim"]
+
+
+def input_width(case: dict) -> int:
+    if case["kind"] == "attention":
+        return attention_width(case)
+    return case["per_rank"] * case["world_size"] if case["kind"] == "row" else case["width"]
+
+
+def output_width(case: dict) -> int:
+    if case["kind"] == "attention":
+        return attention_width(case)
+    return case["per_rank"] * case["world_size"] if case["kind"] == "column" else case["width"]
+
+
+def step_tensors(case: dict, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The full input x and the upstream gradient of the full output at `step`, in float64."""
+    generator = torch.Generator().manual_seed(case["seed"] * 31 + step)
+    shape = (case["batch"], case["tokens"])
+    x = torch.randn(*shape, input_width(case), generator=generator, dtype=torch.float64)
+    upstream = torch.randn(*shape, output_width(case), generator=generator, dtype=torch.float64)
+    return x, upstream
+
+
+def last_dim_shard(t: torch.Tensor, rank: int, world_size: int) -> torch.Tensor:
+    return t.chunk(world_size, dim=-1)[rank]
+
+
+def shard_of(full: torch.Tensor, how: str, rank: int, world_size: int) -> torch.Tensor:
+    if how == "rows":
+        return full.chunk(world_size, dim=0)[rank]
+    if how == "columns":
+        return full.chunk(world_size, dim=1)[rank]
+    if how == "qkv":
+        return full.unflatten(0, (3, world_size, -1))[:, rank].flatten(0, 1)
+    return full
+
+
+def build_layer(student, case: dict, device: torch.device):
+    linears = {name: linear.to(device) for name, linear in full_linears(case).items()}
+    kind = case["kind"]
+    if kind == "column":
+        return student.ColumnParallelLinear(linears[""])
+    if kind == "row":
+        return student.RowParallelLinear(linears[""])
+    if kind == "mlp":
+        return student.TensorParallelMLP(linears["fc1"], linears["fc2"])
+    return student.TensorParallelAttention(linears["qkv"], linears["proj"], case["heads"], case["causal"])
+
+
+def run_layer(student, rank: int, world_size: int, cases: list[dict]) -> list[dict]:
+    """Runs in a rank process: each case's sharded layer for its steps, with the collectives of every phase."""
+    device = rank_device()
+    results = []
+    for case in cases:
+        layer = build_layer(student, case, device)
+        parameters = dict(layer.named_parameters())
+        optimizer = torch.optim.SGD(list(parameters.values()), lr=LEARNING_RATE)
+        steps = []
+        for step in range(case["steps"]):
+            x, upstream = step_tensors(case, step)
+            if SHARDED_INPUT[case["kind"]]:
+                x = last_dim_shard(x, rank, world_size)
+            if SHARDED_OUTPUT[case["kind"]]:
+                upstream = last_dim_shard(upstream, rank, world_size)
+            x = x.to(device, torch.float32).requires_grad_(True)
+            recorder.reset()
+            with recorder.phase("forward"):
+                output = layer(x)
+            with recorder.phase("backward"):
+                output.backward(upstream.to(device, torch.float32))
+            steps.append({
+                "output": output.detach().cpu(),
+                "input_grad": None if x.grad is None else x.grad.cpu(),
+                "grads": {name: None if p.grad is None else p.grad.cpu().clone() for name, p in parameters.items()},
+                # Calls torch makes from inside a recorded call are part of it: count the outer one only.
+                "calls": [(c.op, c.bytes, c.phase) for c in recorder.CALLS if not getattr(c, "nested", False)],
+            })
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+        results.append({"parameters": sorted(parameters), "steps": steps})
+    return results
+
+
+def single_rank_steps(reference, case: dict, dtype: torch.dtype) -> list[dict]:
+    """The single-rank module's outputs and gradients at each step, trained by the same SGD on the full weights."""
+    linears = full_linears(case)  # drawn in float32, as on the ranks, then converted
+    parameters = {}
+    for prefix, linear in linears.items():
+        for name, p in linear.named_parameters():
+            parameters[f"{prefix}.{name}" if prefix else name] = p.detach().to(dtype).requires_grad_(True)
+    p = parameters.get
+    kind = case["kind"]
+    steps = []
+    for step in range(case["steps"]):
+        x, upstream = (t.to(dtype) for t in step_tensors(case, step))
+        x.requires_grad_(True)
+        if kind in ("column", "row"):
+            output = reference.linear_torch(x, p("weight"), p("bias"))
+        elif kind == "mlp":
+            output = reference.mlp_torch(x, p("fc1.weight"), p("fc1.bias"), p("fc2.weight"), p("fc2.bias"))
+        else:
+            output = reference.attention_torch(x, p("qkv.weight"), p("qkv.bias"), p("proj.weight"), p("proj.bias"),
+                                               case["heads"], case["causal"])
+        output.backward(upstream)
+        steps.append({"output": output.detach(), "input_grad": x.grad,
+                      "grads": {name: t.grad.clone() for name, t in parameters.items()}})
+        with torch.no_grad():
+            for t in parameters.values():
+                t -= LEARNING_RATE * t.grad
+                t.grad = None
+    return steps
+
+
+def describe(case: dict) -> str:
+    kind = case["kind"]
+    if kind == "attention":
+        shape = (f"H={case['heads']} heads of {case['head_dim']}, D={attention_width(case)}, "
+                 f"causal={case['causal']}")
+    elif kind == "mlp":
+        shape = f"D={case['width']}, F={case['per_rank'] * case['world_size']}"
+    else:
+        shape = f"I={input_width(case)}, O={output_width(case)}"
+    return (f"{kind}, {shape}, bias={case['bias']}, x [{case['batch']}, {case['tokens']}, {input_width(case)}], "
+            f"seed={case['seed']}, step {{step}} of {case['steps']}")
+
+
+def check_values(reference, case: dict, result: dict, rank: int) -> None:
+    world_size, kind = case["world_size"], case["kind"]
+    expected_names = sorted(PARAMETERS[kind] if case["bias"] else
+                            [n for n in PARAMETERS[kind] if not n.endswith("bias")])
+    where = f"rank {rank} of {world_size}, {describe(case)}"
+    if result["parameters"] != expected_names:
+        raise WrongAnswer(f"the layer's named_parameters() are {result['parameters']}, expected {expected_names} "
+                          f"({where.format(step=1)})")
+    exact = single_rank_steps(reference, case, torch.float64)
+    at_fp32 = single_rank_steps(reference, case, torch.float32)
+    for step, (got, e, r) in enumerate(zip(result["steps"], exact, at_fp32), start=1):
+        context = where.format(step=step)
+
+        def close(actual, expected64, reference32, what):
+            if actual is None:
+                raise WrongAnswer(f"{what} is None: no gradient reached it ({context})")
+            assert_close(actual, expected64, reference32, what=what, context=context,
+                         multiple=PROBLEM.error_multiple, floor_ulps=floor_ulps(expected64, e))
+
+        out_shard = (lambda t: last_dim_shard(t, rank, world_size)) if SHARDED_OUTPUT[kind] else (lambda t: t)
+        in_shard = (lambda t: last_dim_shard(t, rank, world_size)) if SHARDED_INPUT[kind] else (lambda t: t)
+        close(got["output"], out_shard(e["output"]), out_shard(r["output"]), "output")
+        close(got["input_grad"], in_shard(e["input_grad"]), in_shard(r["input_grad"]), "input gradient")
+        for name in expected_names:
+            how = PARAMETERS[kind][name]
+            close(got["grads"][name], shard_of(e["grads"][name], how, rank, world_size),
+                  shard_of(r["grads"][name], how, rank, world_size), f"gradient of {name}")
+
+
+def cases_strategy(kind: str, world_size: int, steps: int) -> st.SearchStrategy[dict]:
+    # The simplest draw (the only one under a budget of 1) has a bias, two tokens, a causal mask, several features
+    # and heads of two dimensions: every part of the contract takes effect in it.
+    common = {
+        "kind": st.just(kind), "world_size": st.just(world_size), "steps": st.just(steps),
+        "seed": st.integers(0, 2**20), "bias": st.sampled_from([True, False]), "batch": st.integers(1, 3),
+        "tokens": st.integers(2, 6),
+    }
+    if kind == "attention":
+        return st.fixed_dictionaries({
+            **common, "heads_per_rank": st.integers(1, 3), "head_dim": st.sampled_from([2, 4, 1, 3, 5]),
+            "causal": st.sampled_from([True, False]),
+        }).map(lambda c: {**c, "heads": c["heads_per_rank"] * world_size})
+    return st.fixed_dictionaries({**common, "width": st.integers(2, 9), "per_rank": st.integers(1, 3)})
+
+
+def check_layer(ranks, reference, kind: str, world_size: int, case: dict) -> None:
+    results = ranks.run(run_layer, world_size, [case])
+    for rank, result in enumerate(results):
+        check_values(reference, case, result[0], rank)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_column_parallel_linear(ranks, reference, world_size, data):
+    check_layer(ranks, reference, "column", world_size, data.draw(cases_strategy("column", world_size, 1)))
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_row_parallel_linear(ranks, reference, world_size, data):
+    check_layer(ranks, reference, "row", world_size, data.draw(cases_strategy("row", world_size, 1)))
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_mlp_matches_single_rank(ranks, reference, world_size, data):
+    check_layer(ranks, reference, "mlp", world_size, data.draw(cases_strategy("mlp", world_size, 2)))
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_attention_matches_single_rank(ranks, reference, world_size, data):
+    check_layer(ranks, reference, "attention", world_size, data.draw(cases_strategy("attention", world_size, 2)))
+
+
+def expected_calls(case: dict) -> list[tuple[str, int, str]]:
+    """(op, bytes, phase) of every collective of one float32 step: g's all-reduce of the full output in forward, f's
+    of the full input gradient in backward."""
+    rows = case["batch"] * case["tokens"] * 4
+    forward = [("all_reduce", rows * output_width(case), "forward")]
+    backward = [("all_reduce", rows * input_width(case), "backward")]
+    return {"column": backward, "row": forward}.get(case["kind"], forward + backward)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_collective_pattern(ranks, world_size, data):
+    cases = [data.draw(cases_strategy(kind, world_size, 1)) for kind in KINDS]
+    results = ranks.run(run_layer, world_size, cases)
+    for rank, per_case in enumerate(results):
+        for case, result in zip(cases, per_case):
+            expected = expected_calls(case)
+            got = [tuple(call) for call in result["steps"][0]["calls"]]
+            if got != expected:
+                described = "; ".join(f"{op} of {size} bytes in {phase}" for op, size, phase in got) or "none"
+                wanted = "; ".join(f"{op} of {size} bytes in {phase}" for op, size, phase in expected)
+                raise WrongAnswer(
+                    f"rank {rank} of {world_size} issued the collectives [{described}] for one forward and backward "
+                    f"of the {case['kind']} layer; expected exactly [{wanted}] "
+                    f"({describe(case).format(step=1)})"
+                )
+
+
+def construct_invalid(student, rank: int, world_size: int) -> dict:
+    """Runs in a rank process: each constructor with a size that does not divide by the world size."""
+    attempts = {
+        "ColumnParallelLinear(Linear(4, 2N+1))": lambda: student.ColumnParallelLinear(
+            torch.nn.Linear(4, 2 * world_size + 1)),
+        "RowParallelLinear(Linear(2N+1, 4))": lambda: student.RowParallelLinear(torch.nn.Linear(2 * world_size + 1, 4)),
+        "TensorParallelMLP(Linear(4, 2N+1), Linear(2N+1, 4))": lambda: student.TensorParallelMLP(
+            torch.nn.Linear(4, 2 * world_size + 1), torch.nn.Linear(2 * world_size + 1, 4)),
+        "TensorParallelAttention(Linear(2N+2, 6N+6), Linear(2N+2, 2N+2), num_heads=N+1)": lambda: (
+            student.TensorParallelAttention(torch.nn.Linear(2 * world_size + 2, 6 * world_size + 6),
+                                            torch.nn.Linear(2 * world_size + 2, 2 * world_size + 2),
+                                            world_size + 1, False)),
+    }
+    raised = {}
+    for call, attempt in attempts.items():
+        try:
+            attempt()
+            raised[call] = None
+        except NotImplementedError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the kind of error is what is graded
+            raised[call] = [cls.__name__ for cls in type(error).__mro__]
+    return raised
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_invalid_arguments(ranks, world_size):
+    for rank, raised in enumerate(ranks.run(construct_invalid, world_size)):
+        for call, type_names in raised.items():
+            if type_names is None or "ValueError" not in type_names:
+                got = "it returned normally" if type_names is None else f"it raised {type_names[0]}"
+                raise WrongAnswer(f"{call} on rank {rank} of {world_size} (N={world_size}) must raise ValueError: "
+                                  f"the size does not divide by N; {got}")

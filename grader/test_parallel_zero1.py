@@ -1,0 +1,196 @@
+"""Grading parallel.zero1: an optimizer whose state is sharded over ranks, each rank stepping its own parameters.
+
+The program `train_on_rank` runs inside each rank process: it averages gradients over its data-parallel ranks itself,
+then calls the student's ShardedOptimizer. Weights after every step and the inner optimizer's state come back here
+and are compared with single-process training by the unsharded optimizer on the full batch, and with the pinned
+partition of parameters over ranks.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+
+PROBLEM = BY_ID["parallel.zero1"]
+STEPS = 3
+OPTIMIZERS = {
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+    "adagrad": (torch.optim.Adagrad, {"lr": 0.1}),
+}
+
+
+class ShardNet(torch.nn.Module):
+    """An MLP of uneven widths with a frozen bias and a weight tied between two layers."""
+
+    def __init__(self, width: int, hidden: int, outputs: int):
+        super().__init__()
+        self.first = torch.nn.Linear(width, hidden)
+        self.middle = torch.nn.Linear(hidden, hidden)
+        self.again = torch.nn.Linear(hidden, hidden)
+        self.again.weight = self.middle.weight
+        self.last = torch.nn.Linear(hidden, outputs)
+        self.first.bias.requires_grad_(False)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x))
+        return self.last(torch.tanh(self.again(torch.tanh(self.middle(hidden)))))
+
+
+PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias", "again.bias", "last.weight",
+                   "last.bias")  # the order of model.parameters(); again.weight is middle.weight
+
+
+def make_model(config: dict, dtype: torch.dtype = torch.float32) -> ShardNet:
+    torch.manual_seed(config["seed"])
+    return ShardNet(config["width"], config["hidden"], config["outputs"]).to(dtype)
+
+
+def given_parameters(model: ShardNet) -> list[torch.Tensor]:
+    """What the grader passes to ShardedOptimizer: every parameter, the tied weight a second time at the end."""
+    return [*model.parameters(), model.again.weight]
+
+
+def make_batch(config: dict, data_ranks: int, dtype: torch.dtype = torch.float32):
+    generator = torch.Generator().manual_seed(config["seed"] + 1)
+    rows = config["rows_per_rank"] * data_ranks
+    x = torch.randn(rows, config["width"], generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, config["outputs"], generator=generator, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def state_bytes_by_parameter(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[int]:
+    """Bytes of the tensors in the optimizer's state, per parameter (in the order of `params`)."""
+    return [sum(v.numel() * v.element_size() for v in optimizer.state[p].values() if isinstance(v, torch.Tensor))
+            if p in optimizer.state else 0 for p in params]
+
+
+def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
+    """Runs in a rank process. With config["group_size"], the ranks form consecutive groups of that size, each an
+    independent data-parallel run with its own ShardedOptimizer over its group."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
+        dist.get_backend() == "nccl" else torch.device("cpu")
+    group_size, group = config.get("group_size") or world_size, None
+    if group_size < world_size:
+        # Every rank creates every group, in the same order, as new_group requires.
+        groups = [dist.new_group(list(range(start, start + group_size))) for start in range(0, world_size, group_size)]
+        group = groups[rank // group_size]
+    local_rank = rank % group_size
+    model = make_model(config).to(device)
+    x, y = make_batch(config, group_size)
+    rows = slice(local_rank * config["rows_per_rank"], (local_rank + 1) * config["rows_per_rank"])
+    x_shard, y_shard = x[rows].to(device), y[rows].to(device)
+    optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
+    sharded = student.ShardedOptimizer(given_parameters(model), optimizer_cls, group, **kwargs)
+    params = list(model.parameters())
+    weights, state_bytes, state_held = [], [], []
+    for _ in range(STEPS):
+        torch.nn.functional.mse_loss(model(x_shard), y_shard).backward()
+        for param in params:
+            if param.grad is not None:
+                dist.all_reduce(param.grad, group=group)
+                param.grad.div_(group_size)
+        sharded.step()
+        sharded.zero_grad()
+        weights.append([p.detach().cpu().clone() for p in params])
+        inner = sharded.optimizer
+        state_bytes.append(sum(state_bytes_by_parameter(inner, list(inner.state))))
+        state_held.append([p in inner.state for p in params])
+    return {"weights": weights, "state_bytes": state_bytes, "state_held": state_held}
+
+
+def train_unsharded(config: dict, data_ranks: int, dtype: torch.dtype) -> dict:
+    """Single-process training on the full batch with the unsharded optimizer."""
+    model = make_model(config, dtype)
+    x, y = make_batch(config, data_ranks, dtype)
+    optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
+    params = list(model.parameters())
+    optimizer = optimizer_cls(params, **kwargs)
+    weights = []
+    for _ in range(STEPS):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.append([p.detach().clone() for p in params])
+    return {"weights": weights, "state_bytes": state_bytes_by_parameter(optimizer, params)}
+
+
+def pinned_owners(config: dict, ranks: int) -> list[int]:
+    """The rank of each parameter (in model.parameters() order): in order, to the rank holding the fewest elements
+    so far, the lowest on a tie. The tied weight's second mention counts nothing."""
+    held, owners = [0] * ranks, []
+    for param in make_model(config).parameters():
+        owner = min(range(ranks), key=lambda r: (held[r], r))
+        held[owner] += param.numel()
+        owners.append(owner)
+    return owners
+
+
+def configs(optimizers=tuple(OPTIMIZERS)) -> st.SearchStrategy[dict]:
+    return st.fixed_dictionaries({
+        "optimizer": st.sampled_from(optimizers),
+        "seed": st.integers(0, 2**20),
+        "width": st.integers(3, 17),
+        "hidden": st.integers(3, 17),
+        "outputs": st.integers(1, 4),
+        "rows_per_rank": st.integers(1, 5),
+    })
+
+
+def check_weights(results: list[dict], config: dict, data_ranks: int) -> None:
+    exact = train_unsharded(config, data_ranks, torch.float64)
+    at_fp32 = train_unsharded(config, data_ranks, torch.float32)
+    owners = pinned_owners(config, data_ranks)
+    for rank, result in enumerate(results):
+        context = f"rank {rank} of {len(results)}, {config}"
+        for step in range(STEPS):
+            for index, name in enumerate(PARAMETER_NAMES):
+                assert_close(result["weights"][step][index], exact["weights"][step][index],
+                             at_fp32["weights"][step][index],
+                             what=f"{name} (owned by rank {owners[index]} of its group) after step {step + 1}",
+                             context=context, multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(config=configs())
+def test_matches_unsharded(ranks, world_size, config):
+    check_weights(ranks.run(train_on_rank, world_size, config), config, world_size)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs(("adamw", "sgd_momentum")))
+def test_state_sharded(ranks, world_size, config):
+    results = ranks.run(train_on_rank, world_size, config)
+    unsharded = train_unsharded(config, world_size, torch.float32)["state_bytes"]
+    owners = pinned_owners(config, world_size)
+    total = sum(unsharded)
+    for rank, result in enumerate(results):
+        expected = sum(b for b, owner in zip(unsharded, owners) if owner == rank)
+        mine = [name for name, owner in zip(PARAMETER_NAMES, owners) if owner == rank]
+        held = [name for name, has in zip(PARAMETER_NAMES, result["state_held"][-1]) if has]
+        got = result["state_bytes"][-1]
+        if got != expected or not set(held) <= set(mine):
+            raise WrongAnswer(
+                f"rank {rank} of {world_size}: its inner optimizer holds {got} bytes of state, for {held}; the pinned "
+                f"partition gives it {mine}, {expected} bytes of the unsharded optimizer's {total}"
+                + (" (it keeps the full state: step only the owned parameters)" if got >= total else "")
+                + f" ({config})"
+            )
+
+
+@pytest.mark.parametrize("world_size", [4])
+@examples(PROBLEM, shrink=False)
+@given(config=configs(("adamw",)))
+def test_process_group(ranks, world_size, config):
+    """Two independent pairs of ranks, {0, 1} and {2, 3}, each with a ShardedOptimizer over its own group."""
+    config = {**config, "group_size": 2}
+    check_weights(ranks.run(train_on_rank, world_size, config), config, 2)

@@ -1,0 +1,212 @@
+"""Grading parallel.zero2: data parallelism with gradients and optimizer state sharded over ranks.
+
+The program `train_on_rank` runs inside each rank process with the student's ZeRO2; the gradients each rank holds
+after synchronisation, its weights after every step and its collectives come back here, and are compared with
+single-process training by the unsharded optimizer on the full batch and with the pinned partition.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from hypothesis import given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.compare import assert_close
+from grader.distributed import recorder
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+
+PROBLEM = BY_ID["parallel.zero2"]
+STEPS = 3
+OPTIMIZERS = {
+    "sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
+    "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
+}
+
+
+class ShardNet(torch.nn.Module):
+    """An MLP of uneven widths with a frozen bias, a weight tied between two layers and a buffer."""
+
+    def __init__(self, width: int, hidden: int, outputs: int):
+        super().__init__()
+        self.first = torch.nn.Linear(width, hidden)
+        self.middle = torch.nn.Linear(hidden, hidden)
+        self.again = torch.nn.Linear(hidden, hidden)
+        self.again.weight = self.middle.weight
+        self.last = torch.nn.Linear(hidden, outputs)
+        self.first.bias.requires_grad_(False)
+        self.register_buffer("input_scale", torch.rand(width) + 0.5)
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x * self.input_scale))
+        return self.last(torch.tanh(self.again(torch.tanh(self.middle(hidden)))))
+
+
+PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias", "again.bias", "last.weight",
+                   "last.bias")  # the order of model.parameters(); again.weight is middle.weight
+
+
+def make_model(seed: int, config: dict, dtype: torch.dtype = torch.float32) -> ShardNet:
+    torch.manual_seed(seed)
+    return ShardNet(config["width"], config["hidden"], config["outputs"]).to(dtype)
+
+
+def make_batch(config: dict, world_size: int, dtype: torch.dtype = torch.float32):
+    generator = torch.Generator().manual_seed(config["seed"] + 1)
+    rows = config["rows_per_rank"] * world_size
+    x = torch.randn(rows, config["width"], generator=generator, dtype=torch.float64)
+    y = torch.randn(rows, config["outputs"], generator=generator, dtype=torch.float64)
+    return x.to(dtype), y.to(dtype)
+
+
+def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
+    """Runs in a rank process: the student's ZeRO2 on this rank's shard, every step recorded."""
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
+        dist.get_backend() == "nccl" else torch.device("cpu")
+    # Each rank starts from different weights: only the broadcast at construction can make them agree.
+    model = make_model(config["seed"] + 7919 * rank, config).to(device)
+    x, y = make_batch(config, world_size)
+    rows = slice(rank * config["rows_per_rank"], (rank + 1) * config["rows_per_rank"])
+    x_shard, y_shard = x[rows].to(device), y[rows].to(device)
+    optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
+    zero = student.ZeRO2(model, optimizer_cls, **kwargs)
+    grads, weights, steps_calls = [], [], []
+    for _ in range(STEPS):
+        recorder.reset()
+        loss = torch.nn.functional.mse_loss(zero(x_shard), y_shard)
+        with recorder.phase("backward"):
+            loss.backward()
+        with recorder.phase("finish"):
+            zero.finish_gradient_synchronization()
+        grads.append([None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()])
+        with recorder.phase("step"):
+            zero.step()
+        zero.zero_grad()
+        weights.append([p.detach().cpu().clone() for p in model.parameters()])
+        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase) for c in recorder.CALLS])
+    return {"grads": grads, "weights": weights, "calls": steps_calls}
+
+
+def train_unsharded(config: dict, world_size: int, dtype: torch.dtype) -> dict:
+    """Single-process training on the full batch with the unsharded optimizer, from rank 0's initial weights."""
+    model = make_model(config["seed"], config, dtype)
+    x, y = make_batch(config, world_size, dtype)
+    optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
+    optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)
+    grads, weights = [], []
+    for _ in range(STEPS):
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        grads.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
+        optimizer.step()
+        optimizer.zero_grad()
+        weights.append([p.detach().clone() for p in model.parameters()])
+    return {"grads": grads, "weights": weights}
+
+
+def pinned_owners(config: dict, world_size: int) -> list[int | None]:
+    """The owner of each parameter (model.parameters() order; None if frozen): in order, to the rank holding the
+    fewest elements so far, the lowest on a tie."""
+    held, owners = [0] * world_size, []
+    for param in make_model(0, config).parameters():
+        if not param.requires_grad:
+            owners.append(None)
+            continue
+        owner = min(range(world_size), key=lambda r: (held[r], r))
+        held[owner] += param.numel()
+        owners.append(owner)
+    return owners
+
+
+def parameter_bytes(config: dict) -> list[int]:
+    return [p.numel() * p.element_size() for p in make_model(0, config).parameters()]
+
+
+configs = st.fixed_dictionaries({
+    "optimizer": st.sampled_from(tuple(OPTIMIZERS)),
+    "seed": st.integers(0, 2**20),
+    "width": st.integers(3, 17),
+    "hidden": st.integers(3, 17),
+    "outputs": st.integers(1, 4),
+    "rows_per_rank": st.integers(1, 5),
+})
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_matches_single_process(ranks, world_size, config):
+    results = ranks.run(train_on_rank, world_size, config)
+    exact = train_unsharded(config, world_size, torch.float64)
+    at_fp32 = train_unsharded(config, world_size, torch.float32)
+    owners = pinned_owners(config, world_size)
+    tolerance = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+    for rank, result in enumerate(results):
+        context = f"rank {rank} of {world_size}, {config}"
+        for step in range(STEPS):
+            for index, name in enumerate(PARAMETER_NAMES):
+                if owners[index] != rank:
+                    continue
+                grad = result["grads"][step][index]
+                if grad is None:
+                    raise WrongAnswer(f"the gradient of {name} is None on rank {rank}, its owner, after "
+                                      f"finish_gradient_synchronization() in step {step + 1} ({context})")
+                assert_close(grad, exact["grads"][step][index], at_fp32["grads"][step][index],
+                             what=f"gradient of {name} on its owner after step {step + 1}", context=context,
+                             **tolerance)
+            for index, name in enumerate(PARAMETER_NAMES):
+                assert_close(result["weights"][step][index], exact["weights"][step][index],
+                             at_fp32["weights"][step][index],
+                             what=f"{name} (owned by rank {owners[index]}) after step {step + 1}", context=context,
+                             **tolerance)
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_gradients_sharded(ranks, world_size, config):
+    results = ranks.run(train_on_rank, world_size, config)
+    owners = pinned_owners(config, world_size)
+    sizes = parameter_bytes(config)
+    for rank, result in enumerate(results):
+        expected = sum(size for size, owner in zip(sizes, owners) if owner == rank)
+        for step, grads in enumerate(result["grads"], start=1):
+            held = [name for name, grad in zip(PARAMETER_NAMES, grads) if grad is not None]
+            mine = [name for name, owner in zip(PARAMETER_NAMES, owners) if owner == rank]
+            held_bytes = sum(g.numel() * g.element_size() for g in grads if g is not None)
+            if held != mine:
+                extra = [name for name in held if name not in mine]
+                raise WrongAnswer(
+                    f"rank {rank} of {world_size}, step {step}: after finish_gradient_synchronization() it holds "
+                    f"gradients of {held} ({held_bytes} bytes); it owns {mine} ({expected} bytes)"
+                    + (f": set the gradients of {extra}, which it does not own, to None" if extra else "")
+                    + f" ({config})"
+                )
+
+
+@pytest.mark.parametrize("world_size", [2])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_collective_pattern(ranks, world_size, config):
+    results = ranks.run(train_on_rank, world_size, config)
+    trainable = [size for size, owner in zip(parameter_bytes(config), pinned_owners(config, world_size))
+                 if owner is not None]
+    for rank, result in enumerate(results):
+        for step, calls in enumerate(result["calls"], start=1):
+            where = f"rank {rank}, step {step} ({config})"
+            all_reduces = [c for c in calls if c[0] == "all_reduce"]
+            if all_reduces:
+                raise WrongAnswer(f"{where}: {len(all_reduces)} all-reduces; ZeRO-2 reduces each gradient to its "
+                                  "owner only (dist.reduce), so no rank ever holds the whole summed gradient")
+            reduces = [c for c in calls if c[0] == "reduce"]
+            if sorted(c[1] for c in reduces) != sorted(trainable):
+                raise WrongAnswer(f"{where}: reduces of {sorted(c[1] for c in reduces)} bytes; expected one per "
+                                  f"parameter that requires grad, {sorted(trainable)} bytes")
+            late = [c for c in reduces if c[3] != "backward"]
+            if late:
+                raise WrongAnswer(f"{where}: {len(late)} reduces were issued after backward returned; issue each "
+                                  "from its parameter's hook during backward")
+            if any(not c[2] for c in reduces):
+                raise WrongAnswer(f"{where}: blocking reduces; use async_op=True and wait in "
+                                  "finish_gradient_synchronization()")
