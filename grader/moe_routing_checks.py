@@ -1,0 +1,94 @@
+"""Pieces shared by the graders of the MoE routing variants (noisy top-k, sigmoid, group-limited routing, bias
+balancing): input layouts, dropping nearly tied tokens, and comparing floating outputs with a floor set by how
+exactly any float32 computation can get them.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from assignment.registry import Problem
+from grader.compare import assert_close, check_tensor_form
+from grader.outcomes import WrongAnswer
+
+FLOAT32_EPS = torch.finfo(torch.float32).eps
+# Adjacent scores that decide a discrete choice must differ by this many float32 ulps of the token's uncertainty
+# scale (see clearly_ordered): several times the rounding error of any reasonable float32 computation.
+TIE_MARGIN_ULPS = 16
+
+
+def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
+    """The same values as the 2-D tensor `t`, stored with one of the layouts of grader.strategies.LAYOUTS."""
+    if layout == "transposed":
+        return t.T.contiguous().T
+    if layout == "sliced":
+        wide = t.new_zeros(t.shape[0], 2 * t.shape[1])
+        wide[:, ::2] = t
+        return wide[:, ::2]
+    if layout == "offset":
+        flat = t.new_zeros(t.numel() + 1)
+        flat[1:] = t.flatten()
+        return flat[1:].view(t.shape)
+    return t.contiguous()
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def clearly_ordered(scores_TE: torch.Tensor, take: int, uncertainty_T: torch.Tensor) -> torch.Tensor:
+    """Bool [T]: rows whose `take` largest scores and the next one (if any) are ordered by gaps larger than
+    TIE_MARGIN_ULPS float32 ulps of the row's uncertainty scale. Excluded entries may be -inf (at most one of them
+    among the `take` + 1 largest)."""
+    top = min(take + 1, scores_TE.shape[-1])
+    sorted_TE = scores_TE.sort(dim=-1, descending=True).values[:, :top]
+    gaps_TE = sorted_TE[:, :-1] - sorted_TE[:, 1:]
+    return (gaps_TE > TIE_MARGIN_ULPS * FLOAT32_EPS * uncertainty_T[:, None]).all(dim=-1)
+
+
+def compare_floating(actual, exact: torch.Tensor, expected_at_dtype: torch.Tensor, floor_scale: float,
+                     problem: Problem, what: str, context: str) -> None:
+    """assert_close with the error floor problem.floor_ulps ulps of floor_scale (or of the result, if larger).
+
+    Two kinds of result assert_close cannot judge are compared here with the same bound: a result far below the
+    floor (an output that, exactly, does not depend on an input, such as renormalised gates with k = 1, where
+    rounding may leave exactly zero and float64 a trace) and values that differ by less than the tolerance and
+    may round to one value.
+    """
+    check_tensor_form(actual, expected_at_dtype, what, context)
+    exact64 = exact.double().cpu()
+    result_scale = float(exact64.abs().max()) if exact64.numel() else 0.0
+    floor_scale = max(floor_scale, result_scale)
+    eps = torch.finfo(actual.dtype).eps
+    reference_error = float((expected_at_dtype.double().cpu() - exact64).abs().max()) if exact64.numel() else 0.0
+    allowed = problem.error_multiple * reference_error + problem.floor_ulps * eps * floor_scale
+    negligible = result_scale <= problem.floor_ulps * eps * floor_scale
+    may_round_to_constant = exact64.numel() > 1 and float(exact64.max() - exact64.min()) <= 2 * allowed
+    if not (negligible or may_round_to_constant):
+        assert_close(actual, exact, expected_at_dtype, what=what, context=context, multiple=problem.error_multiple,
+                     floor_ulps=problem.floor_ulps * floor_scale / result_scale)
+        return
+    error = float((actual.double().cpu() - exact64).abs().max()) if exact64.numel() else 0.0
+    if not error <= allowed:  # NaN fails too
+        raise WrongAnswer(
+            f"{what}: out of tolerance; largest error {error:.3g}, allowed {allowed:.3g} = {problem.error_multiple:g}"
+            f" x reference error {reference_error:.3g} + {problem.floor_ulps:g} ulp x scale {floor_scale:.3g}"
+            f" ({context})"
+        )
+
+
+def returned_fields(value, names: tuple[str, ...], function: str, context: str) -> dict:
+    """The student's NamedTuple (a plain tuple once it has left the worker) by field name."""
+    if not isinstance(value, tuple) or len(value) != len(names):
+        raise WrongAnswer(f"{function} must return a NamedTuple of {len(names)} fields, got {value!r:.200} ({context})")
+    return dict(zip(names, value))
+
+
+def reference_gradients(function, args: tuple, wrt: tuple[int, ...], field: int, upstream: torch.Tensor) -> list:
+    """Gradients of args[i] for i in `wrt` when output `field` of function(*args) receives `upstream`."""
+    args = list(args)
+    for index in wrt:
+        args[index] = args[index].detach().requires_grad_(True)
+    output = function(*args)[field]
+    output.backward(upstream.to(output.dtype))
+    return [args[index].grad for index in wrt]

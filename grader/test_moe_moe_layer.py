@@ -1,0 +1,411 @@
+"""Grading moe.moe_layer: a full MoE feed-forward layer (routed SwiGLU experts, shared experts, top-k routing).
+
+The output and the gradients of all eight inputs are measured against the plain reference (every expert on every
+token) in float64, allowing a multiple of the fast reference's own error at the test dtype. Routing is discrete:
+tokens whose top-(k+1) probabilities are nearly tied are dropped from the random inputs (moe.router's
+separated_rows), so that every correct float32 computation chooses the same experts. Skewed routings leave experts
+empty and loads uneven. That the dispatch is batched per expert (no Python loop over tokens) is checked by counting
+the torch operations of one call at two token counts: it must not grow with T.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import assume, given, strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from assignment.registry import BY_ID
+from grader.compare import assert_raises
+from grader.context import current
+from grader.marks import gpu_only
+from grader.moe_routing_checks import compare_floating, dtype_name, laid_out
+from grader.outcomes import WrongAnswer
+from grader.profiles import examples
+from grader.speed import SpeedSpec, grade_speed
+from grader.strategies import LAYOUTS, dims, size_scale
+from grader.test_moe_router import separated_rows
+
+PROBLEM = BY_ID["moe.moe_layer"]
+INPUTS = ("x_TD", "router_weight_ED", "gate_proj_EHD", "up_proj_EHD", "down_proj_EDH", "shared_gate_proj_SFD",
+          "shared_up_proj_SFD", "shared_down_proj_SDF")
+# Standard deviations of the router logits. The layer is not a test of routing precision (moe.router is): moderate
+# logits keep the gates' float32 rounding below the experts' own.
+LOGIT_SCALES = (0.5, 1.0, 2.0)
+# A dead expert's router logits are lowered by this much: it is chosen only when fewer than k experts are alive.
+DEAD_OFFSET = 40.0
+# The dispatch check: one call at BATCHED_TOKENS[0] tokens and one at BATCHED_TOKENS[1]; the second may issue at
+# most OPERATION_GROWTH times as many torch operations (a loop over tokens issues about 64 times as many).
+BATCHED_TOKENS = (8, 512)
+OPERATION_GROWTH = 4
+
+
+@dataclass(frozen=True)
+class LayerCase:
+    """One layer and its inputs, built deterministically from the fields: the description is a recipe.
+
+    x and the projections are Gaussian, the projections scaled by 1 / sqrt(fan-in); the router is Gaussian scaled so
+    that the logits have standard deviation logit_scale. With routing="skewed", feature 0 of x is 1 for every token
+    and the router's column 0 gives each expert a popularity offset: a third of the experts (at least one) are
+    alive with offsets in [0, 3), the others dead (offset -DEAD_OFFSET), so live experts get uneven loads and dead
+    ones none. Of twice `tokens` drawn tokens, the first `tokens` whose routing is not nearly tied are kept.
+    """
+
+    tokens: int
+    width: int
+    hidden: int
+    experts: int
+    k: int
+    shared: int
+    shared_hidden: int
+    normalize_topk: bool
+    routing: str = "normal"
+    dtype: torch.dtype = torch.float32
+    x_layout: str = "contiguous"
+    logit_scale: float = 1.0
+    seed: int = 0
+
+    def exact_inputs(self) -> list[torch.Tensor]:
+        """The eight tensors in float64 on the CPU, holding exactly the values the student receives."""
+        generator = torch.Generator().manual_seed(self.seed)
+
+        def normal(*shape, scale=1.0):
+            return torch.randn(shape, generator=generator, dtype=torch.float64) * scale
+
+        x_TD = normal(2 * self.tokens, self.width)
+        router_ED = normal(self.experts, self.width, scale=self.logit_scale / self.width**0.5)
+        if self.routing == "skewed":
+            x_TD[:, 0] = 1.0
+            alive = torch.randperm(self.experts, generator=generator)[: max(1, self.experts // 3)]
+            offset_E = torch.full((self.experts,), -DEAD_OFFSET, dtype=torch.float64)
+            offset_E[alive] = torch.rand(alive.numel(), generator=generator, dtype=torch.float64) * 3
+            router_ED[:, 0] = offset_E
+        tensors = [
+            x_TD, router_ED,
+            normal(self.experts, self.hidden, self.width, scale=self.width**-0.5),
+            normal(self.experts, self.hidden, self.width, scale=self.width**-0.5),
+            normal(self.experts, self.width, self.hidden, scale=self.hidden**-0.5),
+            normal(self.shared, self.shared_hidden, self.width, scale=self.width**-0.5),
+            normal(self.shared, self.shared_hidden, self.width, scale=self.width**-0.5),
+            normal(self.shared, self.width, self.shared_hidden, scale=self.shared_hidden**-0.5),
+        ]
+        # Routing is computed from the float32 router and the case's x, so ties are judged on those values.
+        tensors = [t.to(self.dtype if i != 1 else torch.float32).double() for i, t in enumerate(tensors)]
+        tensors[0] = tensors[0][separated_rows(tensors[0], tensors[1], self.k)][: self.tokens]
+        return tensors
+
+    def inputs(self) -> list[torch.Tensor]:
+        exact = self.exact_inputs()
+        assume(exact[0].shape[0] > 0)
+        device = current().device
+        tensors = [t.to(self.dtype if i != 1 else torch.float32).to(device) for i, t in enumerate(exact)]
+        tensors[0] = laid_out(tensors[0], self.x_layout)
+        return tensors
+
+    def upstream(self, x_TD: torch.Tensor) -> torch.Tensor:
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        return torch.randn(x_TD.shape, generator=generator, dtype=torch.float64).to(self.dtype).to(x_TD.device)
+
+    def describe(self, x_TD: torch.Tensor) -> str:
+        return (
+            f"T={x_TD.shape[0]}, D={self.width}, H={self.hidden}, E={self.experts}, k={self.k}, S={self.shared}, "
+            f"F={self.shared_hidden}, normalize_topk={self.normalize_topk}, routing={self.routing}, logit scale "
+            f"{self.logit_scale:g}, {dtype_name(self.dtype)}, x_TD {self.x_layout} (of {2 * self.tokens} tokens "
+            f"drawn, the first {self.tokens} not nearly tied), router float32, seed={self.seed}"
+        )
+
+
+@st.composite
+def layer_cases(draw, routing: str = "normal", dtype: torch.dtype = torch.float32, edge: bool = False) -> LayerCase:
+    """Layers of up to 64 tokens at ci size; with edge, the extremes: T of 1 to 3, k = 1 or k = E, E = 1 likely,
+    no shared expert or one of hidden size 1."""
+    scale = size_scale()
+    if edge:
+        experts = draw(st.sampled_from((1, 2, 3, 8)))
+        k = draw(st.sampled_from((1, experts)))
+        tokens = draw(st.integers(1, 3))
+        shared = draw(st.integers(0, 1))
+    else:
+        experts = draw(dims(16 * min(scale, 4), tiles=(8, 16, 32, 64)))
+        k = draw(st.integers(1, min(experts, 8)))
+        tokens = draw(dims(64 * scale))
+        shared = draw(st.integers(0, 2))
+    return LayerCase(
+        tokens=tokens,
+        width=draw(dims(48 * scale)),
+        hidden=draw(dims(32 * scale)),
+        experts=experts,
+        k=k,
+        shared=shared,
+        shared_hidden=draw(dims(24 * scale)),
+        normalize_topk=draw(st.booleans()),
+        routing=routing,
+        dtype=dtype,
+        x_layout=draw(st.sampled_from(LAYOUTS)),
+        logit_scale=draw(st.sampled_from(LOGIT_SCALES)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def reference_gradients(layer, tensors: list[torch.Tensor], case: LayerCase, upstream: torch.Tensor) -> list:
+    tensors = [t.detach().requires_grad_(True) for t in tensors]
+    layer(*tensors, case.k, case.normalize_topk).backward(upstream.to(tensors[0].dtype))
+    return [t.grad for t in tensors]
+
+
+def router_term_scales(exact: list[torch.Tensor], case: LayerCase, upstream: torch.Tensor) -> tuple[float, float]:
+    """How large the terms are that the backward pass through the gates sums into grad x and grad router.
+
+    The upstream gradient of gate (t, j) is G_tj = upstream_t . expert_{e_tj}(x_t); with renormalisation it is
+    divided by the chosen probabilities' sum. Every float32 evaluation is uncertain by a few ulps of
+    sum_j |G_tj| times the logits' own scale (1 + max_e sum_d |x_d w_ed| + |lse|, as in moe.router). Where those
+    terms cancel (k = 1 with renormalised gates: the gate is exactly 1 and its gradient exactly 0), the result
+    is that rounding, so the floor scales with them rather than with the result.
+    """
+    x_TD, router_ED, gate_EHD, up_EHD, down_EDH = exact[:5]
+    logits_TE = x_TD @ router_ED.T
+    probs_TE = torch.softmax(logits_TE, dim=-1)
+    chosen_TK = probs_TE.sort(dim=-1, descending=True, stable=True).indices[:, : case.k]
+    hidden_ETH = F.silu(torch.einsum("td,ehd->eth", x_TD, gate_EHD)) * torch.einsum("td,ehd->eth", x_TD, up_EHD)
+    out_ETD = torch.einsum("eth,edh->etd", hidden_ETH, down_EDH)
+    out_TKD = out_ETD[chosen_TK, torch.arange(x_TD.shape[0], device=x_TD.device)[:, None]]
+    per_token_T = (out_TKD * upstream.double()[:, None, :]).sum(dim=-1).abs().sum(dim=-1)
+    if case.normalize_topk:
+        per_token_T = per_token_T / probs_TE.gather(1, chosen_TK).sum(dim=-1)
+    lse_T = torch.logsumexp(logits_TE, dim=-1)
+    per_token_T = per_token_T * (1 + (x_TD.abs() @ router_ED.abs().T).amax(dim=-1) + lse_T.abs())
+    return float((per_token_T[:, None] * router_ED.abs().amax(dim=0)).max()), float((per_token_T @ x_TD.abs()).max())
+
+
+class Layer:
+    """The student's layer on one case, the fast reference's at the case's dtype and the plain one's in float64."""
+
+    def __init__(self, student, reference, case: LayerCase):
+        self.student, self.reference, self.case = student, reference, case
+        self.tensors = case.inputs()
+        # float64 on the case's device: the plain reference runs every expert on every token, which a GPU does fast.
+        self.exact_tensors = [t.double() for t in self.tensors]
+        self.context = case.describe(self.tensors[0])
+
+    def check_output(self) -> None:
+        with self.student.describing(self.context):
+            actual = self.student.call("moe_layer", *self.tensors, self.case.k, self.case.normalize_topk)
+        with torch.no_grad():
+            at_dtype = self.reference.moe_layer(*self.tensors, self.case.k, self.case.normalize_topk)
+            exact = self.reference.moe_layer_torch(*self.exact_tensors, self.case.k, self.case.normalize_topk)
+        compare_floating(actual, exact, at_dtype, 0.0, PROBLEM, "moe_layer output y_TD", self.context)
+
+    def check_gradients(self) -> None:
+        upstream = self.case.upstream(self.tensors[0])
+        grad = {"inputs": list(range(len(INPUTS))), "upstream": [upstream]}
+        with self.student.describing(self.context):
+            actual = self.student.call_traced("moe_layer", *self.tensors, self.case.k, self.case.normalize_topk,
+                                              grad=grad)["grads"]
+        exact = reference_gradients(self.reference.moe_layer_torch, self.exact_tensors, self.case, upstream)
+        at_dtype = reference_gradients(self.reference.moe_layer, self.tensors, self.case, upstream)
+        x_scale, router_scale = router_term_scales(self.exact_tensors, self.case, upstream)
+        floor_scales = {"x_TD": x_scale, "router_weight_ED": router_scale}
+        for index, name in enumerate(INPUTS):
+            if self.tensors[index].numel() == 0:
+                continue  # no shared expert (S = 0): a gradient with no values, or none at all
+            what = f"gradient of {name}"
+            if actual[index] is None:
+                raise WrongAnswer(f"{what}: {name} received no gradient ({self.context})")
+            compare_floating(actual[index], exact[index], at_dtype[index], floor_scales.get(name, 0.0), PROBLEM,
+                             what, self.context)
+
+
+@examples(PROBLEM)
+@given(case=layer_cases())
+def test_output(student, reference, case):
+    Layer(student, reference, case).check_output()
+
+
+@examples(PROBLEM)
+@given(case=layer_cases())
+def test_gradients(student, reference, case):
+    Layer(student, reference, case).check_gradients()
+
+
+@examples(PROBLEM)
+@given(case=layer_cases(routing="skewed"))
+def test_uneven_and_empty_experts(student, reference, case):
+    """Most experts receive no token and the others uneven loads: their outputs, and zero gradients for the idle."""
+    layer = Layer(student, reference, case)
+    layer.check_output()
+    layer.check_gradients()
+
+
+@examples(PROBLEM, 0.5)
+@given(case=layer_cases(edge=True))
+def test_edge_sizes(student, reference, case):
+    layer = Layer(student, reference, case)
+    layer.check_output()
+    layer.check_gradients()
+
+
+@gpu_only
+@examples(PROBLEM)
+@given(case=layer_cases(dtype=torch.bfloat16))
+def test_bf16(student, reference, case):
+    layer = Layer(student, reference, case)
+    layer.check_output()
+    layer.check_gradients()
+
+
+def balanced_inputs(tokens: int, device: torch.device) -> list[torch.Tensor]:
+    """Four experts, k = 2, one shared expert: token t chooses experts t mod 4 and t + 1 mod 4 by clear margins, so
+    every expert receives tokens at any T >= 4."""
+    experts, width, hidden = 4, 8, 4
+    generator = torch.Generator().manual_seed(tokens)
+    x_TD = torch.randn(tokens, width, generator=generator)
+    x_TD[:, :experts] = 0.0
+    token_T = torch.arange(tokens)
+    x_TD[token_T, token_T % experts] = 2.0
+    x_TD[token_T, (token_T + 1) % experts] = 1.0
+    router_ED = torch.cat([3 * torch.eye(experts), torch.zeros(experts, width - experts)], dim=1)
+    weights = [torch.randn(shape, generator=generator) / 4 for shape in
+               ((experts, hidden, width), (experts, hidden, width), (experts, width, hidden),
+                (1, hidden, width), (1, hidden, width), (1, width, hidden))]
+    return [t.to(device) for t in (x_TD, router_ED, *weights)]
+
+
+class OperationCounter(TorchDispatchMode):
+    """Counts every aten operation dispatched while active."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.count += 1
+        return func(*args, **(kwargs or {}))
+
+
+def count_operations(module, device: str) -> list[int]:
+    """Run in the student's worker: the torch operations of one forward call at each of BATCHED_TOKENS."""
+    counts = []
+    for tokens in BATCHED_TOKENS:
+        tensors = balanced_inputs(tokens, torch.device(device))
+        with OperationCounter() as counter:
+            module.moe_layer(*tensors, 2, True)
+        counts.append(counter.count)
+    return counts
+
+
+def test_batched_dispatch(student, reference):
+    """No Python loop over tokens: from T = 8 to T = 512 (every expert busy at both), the number of operations
+    must stay about the same."""
+    device = current().device
+    for tokens in BATCHED_TOKENS:  # the outputs must be right, or the count means nothing
+        case = f"four experts, k=2, one shared expert, T={tokens}, every expert receiving tokens"
+        tensors = balanced_inputs(tokens, device)
+        with student.describing(case):
+            actual = student.call("moe_layer", *tensors, 2, True)
+        with torch.no_grad():
+            exact = reference.moe_layer_torch(*(t.double() for t in tensors), 2, True)
+            at_dtype = reference.moe_layer(*tensors, 2, True)
+        compare_floating(actual, exact, at_dtype, 0.0, PROBLEM, "moe_layer output y_TD", case)
+    with student.describing(f"operation count at T={BATCHED_TOKENS}"):
+        small, large = student.run_program(f"{__name__}:count_operations", str(device))
+    if large > OPERATION_GROWTH * small:
+        raise WrongAnswer(
+            f"moe_layer issued {small} torch operations at T={BATCHED_TOKENS[0]} but {large} at "
+            f"T={BATCHED_TOKENS[1]} (four experts, k=2, one shared expert): the work grows with the number of "
+            f"tokens, so it is not batched per expert (a Python loop over tokens?); at most {OPERATION_GROWTH}x "
+            f"is allowed"
+        )
+
+
+def _tensors(x=(3, 4), router=(5, 4), gate=(5, 2, 4), up=(5, 2, 4), down=(5, 4, 2), shared_gate=(1, 3, 4),
+             shared_up=(1, 3, 4), shared_down=(1, 4, 3), dtype=torch.float32, router_dtype=torch.float32,
+             down_dtype=None):
+    shapes = (x, router, gate, up, down, shared_gate, shared_up, shared_down)
+    dtypes = (dtype, router_dtype, dtype, dtype, down_dtype or dtype, dtype, dtype, dtype)
+    return lambda device: [torch.ones(shape, dtype=d, device=device) for shape, d in zip(shapes, dtypes)]
+
+
+INVALID = [
+    pytest.param(_tensors(), 0, "ValueError", id="k=0"),
+    pytest.param(_tensors(), 6, "ValueError", id="k>E"),
+    pytest.param(_tensors(x=(0, 4)), 2, "ValueError", id="T=0"),
+    pytest.param(_tensors(x=(4,)), 2, "ValueError", id="1-D-x"),
+    pytest.param(_tensors(x=(3, 5)), 2, "ValueError", id="D-mismatch"),
+    pytest.param(_tensors(gate=(4, 2, 4)), 2, "ValueError", id="E-mismatch"),
+    pytest.param(_tensors(down=(5, 4, 3)), 2, "ValueError", id="H-mismatch"),
+    pytest.param(_tensors(shared_down=(2, 4, 3)), 2, "ValueError", id="S-mismatch"),
+    pytest.param(_tensors(gate=(5, 8)), 2, "ValueError", id="2-D-projection"),
+    pytest.param(_tensors(dtype=torch.int64, router_dtype=torch.int64), 2, "TypeError", id="int64"),
+    pytest.param(_tensors(down_dtype=torch.float64), 2, "TypeError", id="dtype-mismatch"),
+]
+
+
+@pytest.mark.parametrize("make, k, expected_error", INVALID)
+def test_invalid_arguments(student, make, k, expected_error):
+    tensors = make(current().device)
+    shapes = ", ".join(f"{name} {tuple(t.shape)} {dtype_name(t.dtype)}" for name, t in zip(INPUTS, tensors))
+    assert_raises(student.raises("moe_layer", *tensors, k, True), expected_error, f"moe_layer({shapes}, k={k})")
+
+
+# --- speed -------------------------------------------------------------------------------------------------------
+
+
+def speed_inputs(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple:
+    """The eight tensors (requiring gradients) of shape (T, D, H, E, k, S), then k and the upstream gradient of y."""
+    tokens, width, hidden, experts, k, shared = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+
+    def normal(*size, scale):
+        tensor = torch.randn(size, generator=generator, device=device, dtype=torch_dtype) * scale
+        return tensor.requires_grad_(True)
+
+    tensors = (
+        normal(tokens, width, scale=1.0),
+        normal(experts, width, scale=width**-0.5),
+        normal(experts, hidden, width, scale=width**-0.5),
+        normal(experts, hidden, width, scale=width**-0.5),
+        normal(experts, width, hidden, scale=hidden**-0.5),
+        normal(shared, hidden, width, scale=width**-0.5),
+        normal(shared, hidden, width, scale=width**-0.5),
+        normal(shared, width, hidden, scale=hidden**-0.5),
+    )
+    upstream = torch.randn(tokens, width, generator=generator, device=device, dtype=torch_dtype)
+    return (*tensors, k, upstream)
+
+
+def forward_backward(layer, *args) -> torch.Tensor:
+    """The timed call: the layer's forward and its backward to all eight inputs."""
+    *inputs, upstream = args
+    y_TD = layer(*inputs)
+    y_TD.backward(upstream)
+    return y_TD.detach()
+
+
+def idealised_grouped_gemm(x_TD, router_weight_ED, gate_proj_EHD, up_proj_EHD, down_proj_EDH, shared_gate_proj_SFD,
+                           shared_up_proj_SFD, shared_down_proj_SDF, k):
+    """The routed experts' matmuls as if they were one expert: the T k assigned rows through one [D -> H] pair and
+    [H -> D] (the same FLOPs as any dispatch, with no routing, sorting or per-expert launches), plus the shared
+    experts as one SwiGLU of hidden size S F."""
+    tokens, width = x_TD.shape
+    shared, shared_hidden = shared_gate_proj_SFD.shape[:2]
+    x_AD = x_TD.repeat(k, 1)
+    out_AD = F.linear(F.silu(F.linear(x_AD, gate_proj_EHD[0])) * F.linear(x_AD, up_proj_EHD[0]), down_proj_EDH[0])
+    shared_down_D_SF = shared_down_proj_SDF.permute(1, 0, 2).reshape(width, shared * shared_hidden)
+    shared_hidden_TF = F.silu(F.linear(x_TD, shared_gate_proj_SFD.reshape(-1, width))) * F.linear(
+        x_TD, shared_up_proj_SFD.reshape(-1, width))
+    return out_AD.view(k, tokens, width).sum(dim=0) + F.linear(shared_hidden_TF, shared_down_D_SF)
+
+
+SPEED = SpeedSpec("moe_layer", baseline=idealised_grouped_gemm, inputs=speed_inputs, harness=forward_backward)
+
+
+@gpu_only
+@pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
+def test_speed(student, reference, partial_credit, case):
+    """Forward and backward at (T, D, H, E, k, S); the baseline ("torch" in the message) is the idealised grouped
+    GEMM above."""
+    grade_speed(SPEED, student, reference, case, PROBLEM.speed, partial_credit)
