@@ -1,6 +1,6 @@
-"""Pieces shared by the graders of the MoE routing variants (noisy top-k, sigmoid, group-limited routing, bias
-balancing): input layouts, dropping nearly tied tokens, and comparing floating outputs with a floor set by how
-exactly any float32 computation can get them.
+"""Pieces shared by the graders of the MoE problems (the routers, expert choice, bias balancing, the MoE layer):
+input layouts, dropping nearly tied tokens, and comparing floating outputs with a floor set by how exactly any
+float32 computation can get them.
 """
 
 from __future__ import annotations

@@ -20,8 +20,9 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close, assert_equal, assert_raises, check_tensor_form
+from grader.compare import assert_equal, assert_raises
 from grader.context import current
+from grader.moe_routing_checks import compare_floating
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.strategies import dims, size_scale
@@ -157,30 +158,6 @@ def expert_choice_cases(
     )
 
 
-def compare_floating(actual, exact, expected_at_dtype, floor_scale: float, what: str, context: str) -> None:
-    """assert_close with the error floor PROBLEM.floor_ulps ulps of floor_scale (or of the result, if larger).
-
-    A result far below that floor (a gradient that nearly cancels) is compared with the same bound directly:
-    assert_close measures its floor relative to the result."""
-    check_tensor_form(actual, expected_at_dtype, what, context)
-    exact64 = exact.double().cpu()
-    result_scale = float(exact64.abs().max()) if exact64.numel() else 0.0
-    floor_scale = max(floor_scale, result_scale)
-    eps = torch.finfo(actual.dtype).eps
-    reference_error = float((expected_at_dtype.double().cpu() - exact64).abs().max()) if exact64.numel() else 0.0
-    allowed = PROBLEM.error_multiple * reference_error + PROBLEM.floor_ulps * eps * floor_scale
-    may_round_to_constant = exact64.numel() > 1 and float(exact64.max() - exact64.min()) <= 2 * allowed
-    if result_scale > PROBLEM.floor_ulps * eps * floor_scale and not may_round_to_constant:
-        assert_close(actual, exact, expected_at_dtype, what=what, context=context, multiple=PROBLEM.error_multiple,
-                     floor_ulps=PROBLEM.floor_ulps * floor_scale / result_scale)
-        return
-    error = float((actual.double().cpu() - exact64).abs().max()) if exact64.numel() else 0.0
-    if not error <= allowed:  # NaN fails too
-        raise WrongAnswer(
-            f"{what}: out of tolerance; largest error {error:.3g}, allowed {allowed:.3g} = {PROBLEM.error_multiple:g}"
-            f" x reference error {reference_error:.3g} + {PROBLEM.floor_ulps:g} ulp x scale {floor_scale:.3g}"
-            f" ({context})"
-        )
 
 
 class Routing:
@@ -222,7 +199,7 @@ class Routing:
     def check_gates(self) -> None:
         floor_scale = float(self.exact["gate_EC"].abs().max()) * float(self.uncertainty_T.max())
         compare_floating(self.actual["gate_EC"], self.exact["gate_EC"], self.at_dtype["gate_EC"], floor_scale,
-                         "gate_EC", self.context)
+                         PROBLEM, "gate_EC", self.context)
 
     def check_gradients(self) -> None:
         generator = torch.Generator().manual_seed(self.case.seed + 1)
@@ -241,7 +218,7 @@ class Routing:
             what = f"gradient of {name} from gate_EC"
             if actual[index] is None:
                 raise WrongAnswer(f"{what}: {name} received no gradient ({self.context})")
-            compare_floating(actual[index], exact[index], at_dtype[index], scales[index], what, self.context)
+            compare_floating(actual[index], exact[index], at_dtype[index], scales[index], PROBLEM, what, self.context)
 
     def reference_gradients(self, route, x_TD, weight_ED, upstream_EC):
         x_TD = x_TD.detach().requires_grad_(True)

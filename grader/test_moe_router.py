@@ -16,8 +16,9 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close, assert_equal, assert_raises, check_tensor_form
+from grader.compare import assert_equal, assert_raises
 from grader.context import current
+from grader.moe_routing_checks import compare_floating, laid_out
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.strategies import LAYOUTS, dims, size_scale
@@ -34,19 +35,6 @@ LOGIT_SCALES = (0.25, 1.0, 4.0, 16.0)
 LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
-def laid_out(t: torch.Tensor, layout: str) -> torch.Tensor:
-    """The same values as the 2-D tensor `t`, stored with one of the layouts of grader.strategies.LAYOUTS."""
-    if layout == "transposed":
-        return t.T.contiguous().T
-    if layout == "sliced":
-        wide = t.new_zeros(t.shape[0], 2 * t.shape[1])
-        wide[:, ::2] = t
-        return wide[:, ::2]
-    if layout == "offset":
-        flat = t.new_zeros(t.numel() + 1)
-        flat[1:] = t.flatten()
-        return flat[1:].view(t.shape)
-    return t.contiguous()
 
 
 def separated_rows(x_TD: torch.Tensor, weight_ED: torch.Tensor, k: int) -> torch.Tensor:
@@ -233,35 +221,6 @@ class Sensitivity:
         )
 
 
-def compare_floating(actual, exact, expected_at_dtype, floor_scale: float, what: str, context: str) -> None:
-    """assert_close, with the error floor floor_ulps ulps of floor_scale (or of the result, if that is larger).
-
-    Two kinds of result assert_close cannot judge are compared here with the same bound. A result far below the
-    floor is an output that (nearly) does not depend on an input: renormalised gates with k = 1, the balance loss
-    with k = E (every f_i is 1/E and sum_i P_i = 1); rounding may leave exactly zero there where float64 leaves a
-    trace. And values that differ by less than the tolerance may round to one value (gates of nearly 1, say), which
-    assert_close would take for a constant output.
-    """
-    check_tensor_form(actual, expected_at_dtype, what, context)
-    exact64 = exact.double().cpu()
-    result_scale = float(exact64.abs().max())
-    floor_scale = max(floor_scale, result_scale)
-    eps = torch.finfo(actual.dtype).eps
-    reference_error = float((expected_at_dtype.double().cpu() - exact64).abs().max())
-    allowed = PROBLEM.error_multiple * reference_error + PROBLEM.floor_ulps * eps * floor_scale
-    negligible = result_scale <= PROBLEM.floor_ulps * eps * floor_scale
-    may_round_to_constant = exact64.numel() > 1 and float(exact64.max() - exact64.min()) <= 2 * allowed
-    if not (negligible or may_round_to_constant):
-        assert_close(actual, exact, expected_at_dtype, what=what, context=context, multiple=PROBLEM.error_multiple,
-                     floor_ulps=PROBLEM.floor_ulps * floor_scale / result_scale)
-        return
-    error = float((actual.double().cpu() - exact64).abs().max())
-    if not error <= allowed:  # NaN fails too
-        raise WrongAnswer(
-            f"{what}: out of tolerance; largest error {error:.3g}, allowed {allowed:.3g} = {PROBLEM.error_multiple:g}"
-            f" x reference error {reference_error:.3g} + {PROBLEM.floor_ulps:g} ulp x scale {floor_scale:.3g}"
-            f" ({context})"
-        )
 
 
 class Routing:
@@ -286,7 +245,7 @@ class Routing:
 
     def check_close(self, name: str) -> None:
         compare_floating(self.actual[name], self.exact[name], self.at_dtype[name],
-                         self.sensitivity.floor_scale(name), name, self.context)
+                         self.sensitivity.floor_scale(name), PROBLEM, name, self.context)
 
     def check_gradients(self) -> None:
         """Backpropagate a random upstream gradient from each differentiable output in turn: a gradient too small to
@@ -312,7 +271,8 @@ class Routing:
             what = f"gradient of {name} from {field}"
             if actual[index] is None:
                 raise WrongAnswer(f"{what}: {name} received no gradient ({self.context})")
-            compare_floating(actual[index], exact[index], at_dtype[index], term_scales[index], what, self.context)
+            compare_floating(actual[index], exact[index], at_dtype[index], term_scales[index], PROBLEM, what,
+                             self.context)
 
 
 @examples(PROBLEM)
