@@ -20,6 +20,7 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_equal
 from grader.distributed import recorder
+from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.strategies import dims
@@ -33,12 +34,6 @@ ROOTED = ("broadcast", "scatter", "gather", "reduce")
 
 
 # --- inside each rank -------------------------------------------------------------------------------------------
-
-
-def rank_device() -> torch.device:
-    if torch.cuda.is_available() and dist.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def make_values(case: dict, rank: int, piece: int = 0, shape: tuple | None = None) -> torch.Tensor:

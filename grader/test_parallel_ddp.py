@@ -13,6 +13,7 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 
@@ -61,8 +62,7 @@ def unique_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
 
 def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
     """Runs in a rank process: the student's DDP on this rank's shard, every step recorded."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-        torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     # Each rank starts from different weights: only the broadcast at construction can make them agree.
     model = make_model(config["seed"] + 7919 * rank, config["width"], config["variant"]).to(device)
     x, y = make_batch(config["seed"], config["rows_per_rank"] * world_size, config["width"])

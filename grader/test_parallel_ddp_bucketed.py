@@ -14,6 +14,7 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank import rank_device
 from grader.distributed.step_time import compare_step_times
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
@@ -106,8 +107,7 @@ def bucket_bytes(config: dict, bucket: list[str]) -> int:
 
 def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
     """Runs in a rank process: the student's BucketedDDP on this rank's shard, every step recorded."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-        torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     # Each rank starts from different weights: only the broadcast at construction can make them agree.
     model = make_model(config["seed"] + 7919 * rank, config).to(device)
     x, y = make_batch(config, world_size)

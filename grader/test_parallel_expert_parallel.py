@@ -16,6 +16,7 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 
@@ -60,8 +61,7 @@ def expert_rows(config: dict, rank: int) -> slice:
 
 def moe_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
     """Runs in a rank process: the student's layer on this rank's tokens and experts, forward and backward."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-        torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     case = make_case(config, world_size, torch.float32)
     mine, experts = token_rows(config, rank), expert_rows(config, rank)
     x_TD = case["x_TD"][mine].to(device).requires_grad_()

@@ -19,6 +19,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
 from grader.distributed.memory import MemoryProbe, probe_point
+from grader.distributed.rank import rank_device
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
@@ -92,12 +93,6 @@ def make_optimizer(name: str, params: list[torch.Tensor]) -> torch.optim.Optimiz
     if name == "adamw":
         return torch.optim.AdamW(params, lr=LEARNING_RATE, weight_decay=0.1)
     return torch.optim.SGD(params, lr=LEARNING_RATE, momentum=0.9)
-
-
-def rank_device() -> torch.device:
-    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:

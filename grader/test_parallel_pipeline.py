@@ -14,6 +14,7 @@ from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_raises
+from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 
@@ -72,8 +73,7 @@ class RecordBackward(torch.autograd.Function):
 
 def train_stage_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
     """Runs in a rank process: STEPS optimizer steps of this rank's stage, with its event order per step."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-        torch.distributed.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     layers = make_layers(config)
     first, last = config["bounds"][rank], config["bounds"][rank + 1]
     stage = torch.nn.Sequential(*layers[first:last]).to(device)

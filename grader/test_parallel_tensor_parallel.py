@@ -17,6 +17,7 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 
@@ -44,12 +45,6 @@ def floor_ulps(expected64: torch.Tensor, step: dict) -> float:
     step_scale = max(float(t.abs().max()) for t in tensors if t.numel())
     own_scale = float(expected64.abs().max()) if expected64.numel() else 0.0
     return PROBLEM.floor_ulps * (step_scale / own_scale if own_scale > 0 else 1.0)
-
-
-def rank_device() -> torch.device:
-    if torch.cuda.is_available() and torch.distributed.get_backend() == "nccl":
-        return torch.device("cuda", torch.cuda.current_device())
-    return torch.device("cpu")
 
 
 def full_linears(case: dict, dtype: torch.dtype = torch.float32) -> dict[str, torch.nn.Linear]:

@@ -15,6 +15,7 @@ from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close
+from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 
@@ -75,8 +76,7 @@ def state_bytes_by_parameter(optimizer: torch.optim.Optimizer, params: list[torc
 def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
     """Runs in a rank process. With config["group_size"], the ranks form consecutive groups of that size, each an
     independent data-parallel run with its own ShardedOptimizer over its group."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-        dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     group_size, group = config.get("group_size") or world_size, None
     if group_size < world_size:
         # Every rank creates every group, in the same order, as new_group requires.

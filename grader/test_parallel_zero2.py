@@ -9,12 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 
@@ -63,8 +63,7 @@ def make_batch(config: dict, world_size: int, dtype: torch.dtype = torch.float32
 
 def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
     """Runs in a rank process: the student's ZeRO2 on this rank's shard, every step recorded."""
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() and \
-        dist.get_backend() == "nccl" else torch.device("cpu")
+    device = rank_device()
     # Each rank starts from different weights: only the broadcast at construction can make them agree.
     model = make_model(config["seed"] + 7919 * rank, config).to(device)
     x, y = make_batch(config, world_size)

@@ -39,6 +39,13 @@ def rank_and_world() -> tuple[int, int, int]:
     raise RuntimeError("no rank variables: RANK/WORLD_SIZE, submitit's or SLURM_PROCID/SLURM_NTASKS")
 
 
+def rank_device() -> torch.device:
+    """The device a rank program computes on: its own GPU under NCCL, the CPU under gloo."""
+    if torch.cuda.is_available() and dist.get_backend() == "nccl":
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
+
+
 def write(path: Path, message: dict) -> None:
     temporary = path.with_suffix(".partial")
     temporary.write_bytes(encode(message))
