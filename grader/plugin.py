@@ -32,6 +32,7 @@ __all__ = [
     "pytest_configure",
     "pytest_itemcollected",
     "pytest_collection_modifyitems",
+    "pytest_runtest_setup",
     "pytest_runtest_makereport",
     "pytest_terminal_summary",
     "pytest_sessionfinish",
@@ -39,7 +40,7 @@ __all__ = [
     "reference",
     "student",
     "ranks",
-    "student_presence_and_budget",
+    "student_budget",
     "partial_credit",
 ]
 
@@ -206,15 +207,24 @@ def partial_credit(request: pytest.FixtureRequest):
     return award
 
 
-@pytest.fixture(autouse=True)
-def student_presence_and_budget(request: pytest.FixtureRequest) -> None:
-    problem = problem_of(request.node)
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_setup(item: pytest.Item) -> None:
+    """A problem whose module file is missing is "not implemented", before any of its fixtures is set up.
+
+    Raised from this hook, not from a fixture: pytest 9.1 leaves a function fixture that raised in a state that fails
+    the next test using it, which would cost another problem its points."""
+    problem = problem_of(item)
     if problem is None:
         return
     module_file = current().impl.module_file(problem.id)
     if not module_file.exists():
         raise NotImplementedByStudent(f"not implemented ({module_file} does not exist)")
-    if "student" in request.fixturenames:
+
+
+@pytest.fixture(autouse=True)
+def student_budget(request: pytest.FixtureRequest) -> None:
+    problem = problem_of(request.node)
+    if problem is not None and "student" in request.fixturenames:
         scale = request.config.getoption("--timeout-scale")
         request.getfixturevalue("student").begin_test(problem.test_timeout_s * scale)
 
