@@ -111,10 +111,12 @@ def torch_result(case: dict, rank: int, world_size: int, group, device):
         return pieces if rank == root else None
     sizes = case["split_sizes"]
     inputs = [make_values(case, rank, j, (sizes[rank][j], case["width"])).to(device) for j in range(world_size)]
-    outputs = [torch.zeros(sizes[j][rank], case["width"], dtype=mine.dtype, device=device)
-               for j in range(world_size)]
-    dist.all_to_all(outputs, inputs, group=group)
-    return outputs
+    received = [sizes[j][rank] for j in range(world_size)]
+    # all_to_all_single: some torch versions' gloo lacks the list form.
+    output = torch.zeros(sum(received), case["width"], dtype=mine.dtype, device=device)
+    dist.all_to_all_single(output, torch.cat(inputs), output_split_sizes=received,
+                           input_split_sizes=sizes[rank], group=group)
+    return [piece.clone() for piece in output.split(received)]
 
 
 def run_cases(student, rank: int, world_size: int, cases: list[dict], subgroups: bool = False) -> list[dict]:
