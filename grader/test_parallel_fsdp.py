@@ -364,7 +364,9 @@ def test_collective_pattern(ranks, world_size, config):
 
 @pytest.mark.parametrize("world_size", [2])
 @examples(PROBLEM, shrink=False)
-@given(seed=st.integers(0, 2**20), width=st.integers(32, 40), optimizer=st.sampled_from(["sgd", "adamw"]))
+# Widths of 256 and more: on a GPU the caching allocator rounds every tensor up to 512 bytes, which must stay small
+# against the one unit of slack allowed below.
+@given(seed=st.integers(0, 2**20), width=st.integers(256, 264), optimizer=st.sampled_from(["sgd", "adamw"]))
 def test_peak_parameter_memory(ranks, world_size, seed, width, optimizer):
     config = {"seed": seed, "widths": [width] * (MEMORY_UNITS + 1), "rows_per_rank": 1, "optimizer": optimizer,
               "variant": "plain", "measure_memory": True}

@@ -5,9 +5,11 @@ reference to it is kept (a module attribute, a list, a closure, a tensor saved b
 communication buffer). A program opens a probe before it builds anything, marks the start of the region it grades
 with `start()`, calls `probe(where)` at points of interest, and reads the peak above the start.
 
-- CUDA: the caching allocator's own counters. `start()` reads `torch.cuda.memory_allocated` as the baseline and resets
-  the peak; the peak is `torch.cuda.max_memory_allocated`, so it covers every moment, not only the probe points.
-  The probe points only name where the highest one of them was.
+- CUDA: the caching allocator's own counters, less what was allocated when the probe was opened. `start()` reads
+  `torch.cuda.memory_allocated` as the baseline and resets the peak; the peak is `torch.cuda.max_memory_allocated`,
+  so it covers every moment, not only the probe points. The probe points only name where the highest one of them
+  was. cuBLAS takes its workspaces (tens of MiB, one per thread: autograd runs backward in a thread of its own) from
+  the same allocator on first use, so opening the probe runs a linear layer forward and backward first.
 - CPU: no allocator counter exists, so a `TorchDispatchMode` sees the result of every operator run while the probe is
   open and keeps a weak reference to each storage that is new (not the storage of one of the operator's inputs: views
   and in-place results add nothing). Live bytes are the sum of `nbytes()` of those still alive, read when probed, so a
@@ -67,6 +69,15 @@ class _StorageTracker(TorchDispatchMode):
         return total
 
 
+def _allocate_library_workspaces(device: torch.device) -> None:
+    """A linear layer's forward and backward in each dtype the graded programs compute in, with and without bias (two
+    cuBLAS paths), so that cuBLAS has taken its workspaces in this thread and in autograd's."""
+    for dtype in (torch.float32, torch.bfloat16):
+        x, weight, bias = (torch.ones(shape, device=device, dtype=dtype, requires_grad=True)
+                           for shape in ((8, 8), (8, 8), (8,)))
+        (torch.nn.functional.linear(x, weight, bias) + torch.nn.functional.linear(x, weight)).sum().backward()
+
+
 class MemoryProbe:
     """Bytes of tensor storage held on `device`, and their peak above a start point (see the module docstring).
 
@@ -81,6 +92,7 @@ class MemoryProbe:
         self.device = torch.device(device)
         self.on_cuda = self.device.type == "cuda"
         self.tracker = None if self.on_cuda else _StorageTracker()
+        self.opened_at = 0  # CUDA: bytes allocated when the probe was opened, which it does not count
         self.baseline = 0
         self.peak = 0
         self.peak_where = "start"
@@ -88,6 +100,10 @@ class MemoryProbe:
     def __enter__(self) -> "MemoryProbe":
         if self.tracker is not None:
             self.tracker.__enter__()
+        else:
+            _allocate_library_workspaces(self.device)
+            torch.cuda.synchronize(self.device)
+            self.opened_at = torch.cuda.memory_allocated(self.device)
         return self
 
     def __exit__(self, *exc) -> None:
@@ -97,7 +113,7 @@ class MemoryProbe:
     def live_bytes(self) -> int:
         if self.on_cuda:
             torch.cuda.synchronize(self.device)
-            return torch.cuda.memory_allocated(self.device)
+            return torch.cuda.memory_allocated(self.device) - self.opened_at
         return self.tracker.live_bytes()
 
     def start(self) -> None:
@@ -118,7 +134,7 @@ class MemoryProbe:
         """(peak bytes held above the baseline since start(), where the highest probe point was)."""
         peak = self.peak
         if self.on_cuda:
-            peak = max(peak, torch.cuda.max_memory_allocated(self.device))
+            peak = max(peak, torch.cuda.max_memory_allocated(self.device) - self.opened_at)
         return peak - self.baseline, self.peak_where
 
 
