@@ -15,11 +15,10 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
 from grader.distributed.rank import rank_device
-from grader.distributed.step_time import compare_step_times
+from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
-from grader.speed import tier_fraction
 
 PROBLEM = BY_ID["parallel.ddp_bucketed"]
 STEPS = 3
@@ -263,17 +262,15 @@ def test_overlaps_backward(ranks, world_size, config):
 
 # --- speed on two GPUs ----------------------------------------------------------------------------------------------
 
-WARMUP_STEPS = 3
-TIMED_STEPS = 10
 SPEED_BUCKET_MB = 25.0
 SPEED_LEARNING_RATE = 1e-3
 
 
 def time_training_steps(student, rank: int, world_size: int, layers: int, width: int, rows: int,
                         dtype_name: str) -> dict:
-    """Runs in a rank process on its GPU: times whole training steps (forward, backward, gradient synchronisation,
-    optimizer step) with CUDA events, after warm-up steps."""
-    device = torch.device("cuda", torch.cuda.current_device())
+    """Runs in a rank process on its GPU: whole training steps (forward, backward, gradient synchronisation,
+    optimizer step) timed after warm-up."""
+    device = rank_device()
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
     stack = []
@@ -284,45 +281,21 @@ def time_training_steps(student, rank: int, world_size: int, layers: int, width:
     x = torch.randn(rows, width, generator=generator, device=device, dtype=dtype)
     ddp = student.BucketedDDP(model, SPEED_BUCKET_MB)
     optimizer = torch.optim.SGD(model.parameters(), lr=SPEED_LEARNING_RATE)
-    step_times_s, losses = [], []
-    for step in range(WARMUP_STEPS + TIMED_STEPS):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
+
+    def step():
         loss = ddp(x).float().square().mean()
         loss.backward()
         ddp.finish_gradient_synchronization()
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
-        end.record()
-        torch.cuda.synchronize()
-        losses.append(loss.item())
-        if step >= WARMUP_STEPS:
-            step_times_s.append(start.elapsed_time(end) / 1e3)
-    checksum = sum(p.detach().double().sum().item() for p in model.parameters())
-    return {"step_times_s": step_times_s, "losses": losses, "checksum": checksum}
+        return loss.detach()
 
-
-def check_timed_training(student_results: list[dict], reference_results: list[dict]) -> None:
-    """The timed run trained the same model as the reference's: same losses and weights within float tolerance."""
-    for rank, (got, want) in enumerate(zip(student_results, reference_results)):
-        for step, (a, b) in enumerate(zip(got["losses"], want["losses"]), start=1):
-            if not abs(a - b) <= 1e-3 * abs(b) + 1e-6:  # also catches NaN
-                raise WrongAnswer(f"timed run, rank {rank}: loss {a:.6g} at step {step}, the reference's {b:.6g}")
-        if not abs(got["checksum"] - want["checksum"]) <= 1e-3 * (abs(want["checksum"]) + 1.0):
-            raise WrongAnswer(f"timed run, rank {rank}: the weights' sum is {got['checksum']:.6g} after training, "
-                              f"the reference's {want['checksum']:.6g}")
+    return time_steps(step) | weight_sums(model.parameters())
 
 
 @multi_gpu(2)
 @pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
 def test_speed(ranks, partial_credit, case):
     (layers, width, rows), dtype = case
-    times = compare_step_times(ranks, time_training_steps, 2, layers, width, rows, dtype)
-    check_timed_training(times.student_results, times.reference_results)
-    fraction = tier_fraction(times.ratio, PROBLEM.speed)
-    message = (f"{layers} x Linear({width}, {width}), {rows} rows per rank, {dtype}, 2 GPUs: "
-               f"{times.describe()}: {fraction:.0%} of the speed points")
-    if fraction == 0:
-        raise WrongAnswer(message)
-    partial_credit(fraction, message)
+    grade_step_time(ranks, partial_credit, time_training_steps, 2, (layers, width, rows, dtype), PROBLEM.speed,
+                    f"{layers} x Linear({width}, {width}), {rows} rows per rank, {dtype}", rtol=1e-3)

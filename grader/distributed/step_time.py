@@ -2,15 +2,59 @@
 
 Launches alternate (student, reference, student, reference, ...) so that clocks, temperature and other load affect
 both alike. Each launch runs `program(module, rank, world_size, *args)` on every rank; the program times its own
-training steps after warm-up (CUDA events) and returns a dict with "step_times_s", a list of seconds per timed step.
-A step is as slow as its slowest rank, so a launch's step time is the median over steps of the maximum over ranks;
-the verdict uses the median over rounds of those.
+training steps with `time_steps` and returns its dict. A step is as slow as its slowest rank, so a launch's step time
+is the median over steps of the maximum over ranks; the verdict uses the median over rounds of those.
 """
 
 from __future__ import annotations
 
 import statistics
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
+
+import torch
+
+from grader.outcomes import WrongAnswer
+from grader.speed import tier_fraction
+
+WARMUP_STEPS = 3
+TIMED_STEPS = 10
+
+
+def time_steps(step: Callable[[], torch.Tensor]) -> dict:
+    """Runs in a rank process on its GPU: `step()` (one whole training step, returning its loss) WARMUP_STEPS +
+    TIMED_STEPS times. A step's time is the wall time between two device synchronisations, so it holds everything
+    the step launched, communication on other streams included. Returns "step_times_s" and every step's "losses"."""
+    step_times_s, losses = [], []
+    for index in range(WARMUP_STEPS + TIMED_STEPS):
+        torch.cuda.synchronize()
+        started = time.perf_counter()
+        loss = step()
+        torch.cuda.synchronize()
+        if index >= WARMUP_STEPS:
+            step_times_s.append(time.perf_counter() - started)
+        losses.append(float(loss))  # after the clock stopped: reading it back synchronises
+    return {"step_times_s": step_times_s, "losses": losses}
+
+
+def weight_sums(tensors) -> dict:
+    """A checksum of trained weights, and the scale it is compared on."""
+    tensors = [t.detach().double() for t in tensors]
+    return {"weight_sum": sum(t.sum().item() for t in tensors),
+            "weight_abs_sum": sum(t.abs().sum().item() for t in tensors)}
+
+
+def check_same_training(student_results: list[dict], reference_results: list[dict], rtol: float) -> None:
+    """The timed runs trained the same model as the reference's: every step's loss within `rtol`, and the weights'
+    sum within `rtol` of the sum of their magnitudes (programs return `time_steps`' dict updated with `weight_sums`)."""
+    for rank, (got, want) in enumerate(zip(student_results, reference_results)):
+        for step, (a, b) in enumerate(zip(got["losses"], want["losses"]), start=1):
+            if not abs(a - b) <= rtol * abs(b) + 1e-6:  # also catches NaN
+                raise WrongAnswer(f"timed run, rank {rank}: loss {a:.6g} at step {step}, the reference's {b:.6g}")
+        if not abs(got["weight_sum"] - want["weight_sum"]) <= rtol * want["weight_abs_sum"]:
+            raise WrongAnswer(f"timed run, rank {rank}: the weights sum to {got['weight_sum']:.6g} after training, "
+                              f"the reference's to {want['weight_sum']:.6g}")
 
 
 @dataclass
@@ -48,3 +92,20 @@ def compare_step_times(ranks, program, world_size: int, *args, rounds: int = 3) 
         reference_results = ranks.run_reference(program, world_size, *args)
         reference.append(launch_step_time(reference_results))
     return StepTimes(statistics.median(student), statistics.median(reference), student_results, reference_results)
+
+
+def grade_step_time(ranks, partial_credit, program, world_size: int, args: tuple, threshold, what: str,
+                    rtol: float) -> None:
+    """The speed test of a distributed problem: step-time ratio to the reference, scored by `threshold`'s tiers,
+    after checking that the timed runs trained alike (`check_same_training` with `rtol`)."""
+    times = compare_step_times(ranks, program, world_size, *args)
+    measured = f"{what}, {world_size} GPUs: {times.describe()}"
+    try:
+        check_same_training(times.student_results, times.reference_results, rtol)
+    except WrongAnswer as error:
+        raise WrongAnswer(f"{error} ({measured})") from None
+    fraction = tier_fraction(times.ratio, threshold)
+    message = f"{measured}: {fraction:.0%} of the speed points"
+    if fraction == 0:
+        raise WrongAnswer(message)
+    partial_credit(fraction, message)
