@@ -27,6 +27,10 @@ CASES = [
     case("all_to_all_swapped_pieces", "all_to_all[4]", "all_to_all's result on rank", "tensor 1 of the list"),
     case("all_reduce_with_dist_all_reduce", "all_reduce[2]", "called torch.distributed.all_reduce",
          "from send, recv, isend, irecv and batch_isend_irecv only"),
+    # The same shortcut beneath torch.distributed's functions: the process group's method, the functional collectives.
+    case("all_reduce_with_process_group", "all_reduce[2]", "called torch.distributed.ProcessGroup.allreduce"),
+    case("all_gather_with_functional_collectives", "all_gather[2]",
+         "called torch.distributed._functional_collectives.all_gather_tensor"),
     case("broadcast_ignores_group", "process_groups", "in the group of global ranks",
          "broadcast's result on rank", "values differ"),
 ]

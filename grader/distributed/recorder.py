@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
+from torch._C import _distributed_c10d as c10d_bindings
 
 OPERATIONS = (
     "broadcast", "all_reduce", "reduce", "all_gather", "all_gather_into_tensor", "gather", "scatter",
@@ -24,6 +25,25 @@ OPERATIONS = (
     # Newer torch's names for all_gather_into_tensor and reduce_scatter_tensor, which it implements by calling them:
     # a call through the old name is then recorded twice, the inner record marked nested.
     "all_gather_single", "reduce_scatter_single",
+)  # fmt: skip
+
+# Beneath those functions: the process group's (and its backends') own methods, and the functional collectives.
+# torch's functions call the methods themselves, from inside a recorded call, so only a call made outside every
+# recorded call is recorded: the program's own, under its qualified name (point-to-point ones under send and recv),
+# so that neither "collectives from send and recv only" nor a collective pattern can be bypassed through them.
+PROCESS_GROUP_METHODS = (
+    "allreduce", "allreduce_coalesced", "broadcast", "reduce", "allgather", "_allgather_base", "allgather_coalesced",
+    "allgather_into_tensor_coalesced", "all_gather_single", "all_gather_single_coalesced", "gather", "scatter",
+    "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_single_coalesced",
+    "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "barrier",
+    "send", "recv", "recv_anysource",
+)  # fmt: skip
+PROCESS_GROUP_POINT_TO_POINT = {"send": "send", "recv": "recv", "recv_anysource": "recv"}
+FUNCTIONAL_COLLECTIVES = (
+    "all_reduce", "all_reduce_inplace", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
+    "all_gather_tensor_inplace", "all_gather_inplace", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
+    "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_inplace", "reduce_scatter_tensor_coalesced",
+    "all_to_all_single", "all_to_all_single_autograd", "all_to_all_inplace", "broadcast", "permute_tensor",
 )  # fmt: skip
 
 
@@ -75,14 +95,20 @@ def phase(name: str):
         _phase = previous
 
 
-def _wrap(name: str, function):
+def _wrap(name: str, function, beneath: bool = False, method: bool = False):
+    """`function` recording its calls as `name`. `beneath`: one of the (asynchronous) calls under torch.distributed's
+    functions, recorded only when called from outside them. `method`: its first argument is the process group."""
+
     @functools.wraps(function)
     def recorded(*args, **kwargs):
         global _entered
-        _entered += 1
-        first = args[0] if args else next(iter(kwargs.values()), None)
         depth = getattr(_depth, "value", 0)
-        call = Call(_entered, name, tensor_bytes(first), bool(kwargs.get("async_op", False)), _phase,
+        if beneath and depth > 0:
+            return function(*args, **kwargs)
+        _entered += 1
+        operands = args[1:] if method else args
+        first = operands[0] if operands else next(iter(kwargs.values()), None)
+        call = Call(_entered, name, tensor_bytes(first), beneath or bool(kwargs.get("async_op", False)), _phase,
                     sent_bytes(name, first), depth > 0)
         CALLS.append(call)
         if _progress is not None:
@@ -108,6 +134,23 @@ def install(progress_file: Path) -> None:
         wrapped = _wrap(name, original)
         setattr(c10d, name, wrapped)
         setattr(dist, name, wrapped)
+    _install_beneath()
+
+
+def _install_beneath() -> None:
+    import torch.distributed._functional_collectives as functional
+
+    for cls in (c10d_bindings.ProcessGroup, c10d_bindings.Backend, getattr(c10d_bindings, "ProcessGroupGloo", None),
+                getattr(c10d_bindings, "ProcessGroupNCCL", None)):
+        for method in PROCESS_GROUP_METHODS if cls is not None else ():
+            original = vars(cls).get(method)  # defined on this class itself, not inherited
+            if original is not None and not getattr(original, "__wrapped_by_grader__", False):
+                name = PROCESS_GROUP_POINT_TO_POINT.get(method, f"{cls.__name__}.{method}")
+                setattr(cls, method, _wrap(name, original, beneath=True, method=True))
+    for function in FUNCTIONAL_COLLECTIVES:
+        original = getattr(functional, function, None)
+        if original is not None and not getattr(original, "__wrapped_by_grader__", False):
+            setattr(functional, function, _wrap(f"_functional_collectives.{function}", original, beneath=True))
 
 
 def reset() -> None:
