@@ -1,6 +1,6 @@
 """Pieces shared by the graders of the MoE problems (the routers, expert choice, bias balancing, the MoE layer):
-input layouts, dropping nearly tied tokens, and comparing floating outputs with a floor set by how exactly any
-float32 computation can get them.
+input layouts, dropping nearly tied tokens, and comparing floating outputs and gradients with a floor set by how
+exactly any float32 computation can get them.
 """
 
 from __future__ import annotations
@@ -75,6 +75,26 @@ def compare_floating(actual, exact: torch.Tensor, expected_at_dtype: torch.Tenso
             f" x reference error {reference_error:.3g} + {problem.floor_ulps:g} ulp x scale {floor_scale:.3g}"
             f" ({context})"
         )
+
+
+def compare_gradients(actual: list, exact: list, at_dtype: list, names: tuple[str, ...],
+                      floor_scales: tuple[float, ...], problem: Problem, source: str, context: str) -> None:
+    """compare_floating for the gradient of each named input (`source` says which output it came from, e.g.
+    " from gate_TK"), and a failure that says so for an input that received none."""
+    for index, name in enumerate(names):
+        what = f"gradient of {name}{source}"
+        if actual[index] is None:
+            raise WrongAnswer(f"{what}: {name} received no gradient ({context})")
+        compare_floating(actual[index], exact[index], at_dtype[index], floor_scales[index], problem, what, context)
+
+
+def router_term_scales(per_token_T: torch.Tensor, x_TD: torch.Tensor, weight_ED: torch.Tensor) -> tuple[float, float]:
+    """How large the terms are that a backward pass sums into grad x_TD and grad weight_ED, when `per_token_T[t]`
+    is the size of the gradient reaching token t's logits x_t . w_e (times their uncertainty): each logit's gradient
+    times the other operand of its product."""
+    per_token_T, x_TD, weight_ED = (t.double().cpu() for t in (per_token_T, x_TD, weight_ED))
+    return (float((per_token_T[:, None] * weight_ED.abs().amax(dim=0)).max()),
+            float((per_token_T @ x_TD.abs()).max()))
 
 
 def returned_fields(value, names: tuple[str, ...], function: str, context: str) -> dict:

@@ -22,7 +22,7 @@ from hypothesis import assume, given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_equal, assert_raises
 from grader.context import current
-from grader.moe_routing_checks import compare_floating
+from grader.moe_routing_checks import compare_floating, compare_gradients, router_term_scales
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.strategies import dims, size_scale
@@ -213,12 +213,8 @@ class Routing:
                                          self.weight_ED.double(), upstream_EC)
         at_dtype = self.reference_gradients(self.reference.expert_choice_route, self.x_TD, self.weight_ED,
                                             upstream_EC)
-        scales = self.gradient_term_scales(upstream_EC)
-        for index, name in enumerate(("x_TD", "router_weight_ED")):
-            what = f"gradient of {name} from gate_EC"
-            if actual[index] is None:
-                raise WrongAnswer(f"{what}: {name} received no gradient ({self.context})")
-            compare_floating(actual[index], exact[index], at_dtype[index], scales[index], PROBLEM, what, self.context)
+        compare_gradients(actual, exact, at_dtype, ("x_TD", "router_weight_ED"), self.gradient_term_scales(upstream_EC),
+                          PROBLEM, " from gate_EC", self.context)
 
     def reference_gradients(self, route, x_TD, weight_ED, upstream_EC):
         x_TD = x_TD.detach().requires_grad_(True)
@@ -234,12 +230,7 @@ class Routing:
         reaching_T = torch.zeros(tokens, dtype=torch.float64)
         chosen_N = self.exact["token_index_EC"].cpu().flatten()
         reaching_T.index_add_(0, chosen_N, upstream_EC.double().cpu().abs().flatten())
-        per_token_T = reaching_T * self.uncertainty_T
-        x_TD, weight_ED = self.x_TD.double().cpu(), self.weight_ED.double().cpu()
-        return (
-            float((per_token_T[:, None] * weight_ED.abs().amax(dim=0)).max()),
-            float((per_token_T @ x_TD.abs()).max()),
-        )
+        return router_term_scales(reaching_T * self.uncertainty_T, self.x_TD, self.weight_ED)
 
 
 @examples(PROBLEM)

@@ -19,9 +19,9 @@ from assignment.registry import BY_ID
 from grader.compare import assert_equal, assert_raises
 from grader.context import current
 from grader.moe_routing_checks import (
-    clearly_ordered, compare_floating, dtype_name, laid_out, reference_gradients, returned_fields,
+    clearly_ordered, compare_floating, compare_gradients, dtype_name, laid_out, reference_gradients,
+    returned_fields, router_term_scales,
 )
-from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.strategies import LAYOUTS, dims, size_scale
 
@@ -187,15 +187,9 @@ class Routing:
         # Per token, the backward pass sums terms of about route_scale * |upstream| into each logit, each
         # uncertain by U_t ulps, then multiplies them by the other operand of the logit's product.
         per_token_T = self.case.route_scale * upstream.double().cpu().abs().sum(dim=-1) * self.uncertainty_T
-        x64, weight64 = self.x_TD.double().cpu(), self.weight_ED.double().cpu()
-        term_scales = (float((per_token_T[:, None] * weight64.abs().amax(dim=0)).max()),
-                       float((per_token_T @ x64.abs()).max()))
-        for index, name in enumerate(("x_TD", "router_weight_ED")):
-            what = f"gradient of {name} from gate_TK"
-            if actual[index] is None:
-                raise WrongAnswer(f"{what}: {name} received no gradient ({self.context})")
-            compare_floating(actual[index], exact[index], at_dtype[index], term_scales[index], PROBLEM, what,
-                             self.context)
+        term_scales = router_term_scales(per_token_T, self.x_TD, self.weight_ED)
+        compare_gradients(actual, exact, at_dtype, ("x_TD", "router_weight_ED"), term_scales, PROBLEM, " from gate_TK",
+                          self.context)
 
 
 @examples(PROBLEM)

@@ -22,7 +22,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_raises
 from grader.context import current
 from grader.marks import gpu_only
-from grader.moe_routing_checks import compare_floating, dtype_name, laid_out
+from grader.moe_routing_checks import compare_floating, dtype_name, laid_out, router_term_scales
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.speed import SpeedSpec, grade_speed
@@ -156,7 +156,7 @@ def reference_gradients(layer, tensors: list[torch.Tensor], case: LayerCase, ups
     return [t.grad for t in tensors]
 
 
-def router_term_scales(exact: list[torch.Tensor], case: LayerCase, upstream: torch.Tensor) -> tuple[float, float]:
+def gate_path_term_scales(exact: list[torch.Tensor], case: LayerCase, upstream: torch.Tensor) -> tuple[float, float]:
     """How large the terms are that the backward pass through the gates sums into grad x and grad router.
 
     The upstream gradient of gate (t, j) is G_tj = upstream_t . expert_{e_tj}(x_t); with renormalisation it is
@@ -176,8 +176,8 @@ def router_term_scales(exact: list[torch.Tensor], case: LayerCase, upstream: tor
     if case.normalize_topk:
         per_token_T = per_token_T / probs_TE.gather(1, chosen_TK).sum(dim=-1)
     lse_T = torch.logsumexp(logits_TE, dim=-1)
-    per_token_T = per_token_T * (1 + (x_TD.abs() @ router_ED.abs().T).amax(dim=-1) + lse_T.abs())
-    return float((per_token_T[:, None] * router_ED.abs().amax(dim=0)).max()), float((per_token_T @ x_TD.abs()).max())
+    return router_term_scales(
+        per_token_T * (1 + (x_TD.abs() @ router_ED.abs().T).amax(dim=-1) + lse_T.abs()), x_TD, router_ED)
 
 
 class Layer:
@@ -206,7 +206,7 @@ class Layer:
                                               grad=grad)["grads"]
         exact = reference_gradients(self.reference.moe_layer_torch, self.exact_tensors, self.case, upstream)
         at_dtype = reference_gradients(self.reference.moe_layer, self.tensors, self.case, upstream)
-        x_scale, router_scale = router_term_scales(self.exact_tensors, self.case, upstream)
+        x_scale, router_scale = gate_path_term_scales(self.exact_tensors, self.case, upstream)
         floor_scales = {"x_TD": x_scale, "router_weight_ED": router_scale}
         for index, name in enumerate(INPUTS):
             if self.tensors[index].numel() == 0:

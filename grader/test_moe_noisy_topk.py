@@ -18,9 +18,9 @@ from assignment.registry import BY_ID
 from grader.compare import assert_equal, assert_raises
 from grader.context import current
 from grader.moe_routing_checks import (
-    clearly_ordered, compare_floating, dtype_name, laid_out, reference_gradients, returned_fields,
+    clearly_ordered, compare_floating, compare_gradients, dtype_name, laid_out, reference_gradients,
+    returned_fields,
 )
-from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.strategies import LAYOUTS, dims, size_scale
 
@@ -201,13 +201,8 @@ class Routing:
         weights_D = gate_ED.abs().amax(dim=0) + noise_size * noise_weight_ED.abs().amax(dim=0)
         weight_scale = float((per_token_T @ x_TD.abs()).max()) * (1 + noise_size)
         term_scales = (float((per_token_T[:, None] * weights_D).max()), weight_scale, weight_scale)
-        for position, input_index in enumerate(wrt):
-            name = WEIGHTS[input_index]
-            what = f"gradient of {name} from {field}"
-            if actual[position] is None:
-                raise WrongAnswer(f"{what}: {name} received no gradient ({self.context})")
-            compare_floating(actual[position], exact[position], at_dtype[position], term_scales[input_index],
-                             PROBLEM, what, self.context)
+        compare_gradients(actual, exact, at_dtype, tuple(WEIGHTS[i] for i in wrt), tuple(term_scales[i] for i in wrt),
+                          PROBLEM, f" from {field}", self.context)
 
 
 @examples(PROBLEM)

@@ -18,7 +18,7 @@ from hypothesis import assume, given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_equal, assert_raises
 from grader.context import current
-from grader.moe_routing_checks import compare_floating, laid_out
+from grader.moe_routing_checks import compare_floating, compare_gradients, laid_out, router_term_scales
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.strategies import LAYOUTS, dims, size_scale
@@ -214,11 +214,7 @@ class Sensitivity:
             per_token_T = (upstream.abs() * num_experts * slot_fraction_E.max() / num_tokens).expand(num_tokens)
         else:
             per_token_T = upstream.abs() * 2 * (self.lse_T.abs() + 1) / num_tokens
-        per_token_T = per_token_T * (1 + self.uncertainty_T)
-        return (
-            float((per_token_T[:, None] * self.weight_ED.abs().amax(dim=0)).max()),
-            float((per_token_T @ self.x_TD.abs()).max()),
-        )
+        return router_term_scales(per_token_T * (1 + self.uncertainty_T), self.x_TD, self.weight_ED)
 
 
 
@@ -267,12 +263,8 @@ class Routing:
                                     self.case, field, upstream)
         at_dtype = reference_gradients(self.reference.topk_route, self.x_TD, self.weight_ED, self.case, field, upstream)
         term_scales = self.sensitivity.gradient_term_scales(field, upstream)
-        for index, name in enumerate(("x_TD", "router_weight_ED")):
-            what = f"gradient of {name} from {field}"
-            if actual[index] is None:
-                raise WrongAnswer(f"{what}: {name} received no gradient ({self.context})")
-            compare_floating(actual[index], exact[index], at_dtype[index], term_scales[index], PROBLEM, what,
-                             self.context)
+        compare_gradients(actual, exact, at_dtype, ("x_TD", "router_weight_ED"), term_scales, PROBLEM, f" from {field}",
+                          self.context)
 
 
 @examples(PROBLEM)
