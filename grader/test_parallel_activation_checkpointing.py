@@ -11,7 +11,6 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 
-import pytest
 import torch
 from hypothesis import given, strategies as st
 
