@@ -18,6 +18,7 @@ from grader.distributed.rank import rank_device
 from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
+from grader.parallel_models import TiedMLP
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.ddp_bucketed"]
@@ -45,33 +46,14 @@ class MarkBackward(torch.autograd.Function):
         return grad
 
 
-class BucketNet(torch.nn.Module):
-    """An MLP of uneven widths with a frozen bias, a weight tied between two layers and a buffer."""
-
-    def __init__(self, width: int, hidden: int, outputs: int):
-        super().__init__()
-        self.first = torch.nn.Linear(width, hidden)
-        self.middle = torch.nn.Linear(hidden, hidden)
-        self.again = torch.nn.Linear(hidden, hidden)
-        self.again.weight = self.middle.weight
-        self.last = torch.nn.Linear(hidden, outputs)
-        self.first.bias.requires_grad_(False)
-        self.register_buffer("input_scale", torch.rand(width) + 0.5)
-
-    def forward(self, x):
-        hidden = torch.tanh(self.first(x * self.input_scale))
-        hidden = torch.tanh(self.again(torch.tanh(self.middle(hidden))))
-        return self.last(MarkBackward.apply(hidden))
-
-
 PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias", "again.bias", "last.weight",
                    "last.bias")  # the order of model.parameters(); again.weight is middle.weight
 LAST_LAYER = {"last.weight", "last.bias"}
 
 
-def make_model(seed: int, config: dict, dtype: torch.dtype = torch.float32) -> BucketNet:
+def make_model(seed: int, config: dict, dtype: torch.dtype = torch.float32) -> TiedMLP:
     torch.manual_seed(seed)
-    return BucketNet(config["width"], config["hidden"], config["outputs"]).to(dtype)
+    return TiedMLP(config["width"], config["hidden"], config["outputs"], before_last=MarkBackward.apply).to(dtype)
 
 
 def make_batch(config: dict, world_size: int, dtype: torch.dtype = torch.float32):

@@ -17,6 +17,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
+from grader.parallel_models import TiedMLP
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.zero1"]
@@ -28,33 +29,16 @@ OPTIMIZERS = {
 }
 
 
-class ShardNet(torch.nn.Module):
-    """An MLP of uneven widths with a frozen bias and a weight tied between two layers."""
-
-    def __init__(self, width: int, hidden: int, outputs: int):
-        super().__init__()
-        self.first = torch.nn.Linear(width, hidden)
-        self.middle = torch.nn.Linear(hidden, hidden)
-        self.again = torch.nn.Linear(hidden, hidden)
-        self.again.weight = self.middle.weight
-        self.last = torch.nn.Linear(hidden, outputs)
-        self.first.bias.requires_grad_(False)
-
-    def forward(self, x):
-        hidden = torch.tanh(self.first(x))
-        return self.last(torch.tanh(self.again(torch.tanh(self.middle(hidden)))))
-
-
 PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias", "again.bias", "last.weight",
                    "last.bias")  # the order of model.parameters(); again.weight is middle.weight
 
 
-def make_model(config: dict, dtype: torch.dtype = torch.float32) -> ShardNet:
+def make_model(config: dict, dtype: torch.dtype = torch.float32) -> TiedMLP:
     torch.manual_seed(config["seed"])
-    return ShardNet(config["width"], config["hidden"], config["outputs"]).to(dtype)
+    return TiedMLP(config["width"], config["hidden"], config["outputs"], input_scale=False).to(dtype)
 
 
-def given_parameters(model: ShardNet) -> list[torch.Tensor]:
+def given_parameters(model: TiedMLP) -> list[torch.Tensor]:
     """What the grader passes to ShardedOptimizer: every parameter, the tied weight a second time at the end."""
     return [*model.parameters(), model.again.weight]
 

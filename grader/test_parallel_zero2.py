@@ -16,6 +16,7 @@ from grader.compare import assert_close
 from grader.distributed import recorder
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
+from grader.parallel_models import TiedMLP
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.zero2"]
@@ -26,31 +27,13 @@ OPTIMIZERS = {
 }
 
 
-class ShardNet(torch.nn.Module):
-    """An MLP of uneven widths with a frozen bias, a weight tied between two layers and a buffer."""
-
-    def __init__(self, width: int, hidden: int, outputs: int):
-        super().__init__()
-        self.first = torch.nn.Linear(width, hidden)
-        self.middle = torch.nn.Linear(hidden, hidden)
-        self.again = torch.nn.Linear(hidden, hidden)
-        self.again.weight = self.middle.weight
-        self.last = torch.nn.Linear(hidden, outputs)
-        self.first.bias.requires_grad_(False)
-        self.register_buffer("input_scale", torch.rand(width) + 0.5)
-
-    def forward(self, x):
-        hidden = torch.tanh(self.first(x * self.input_scale))
-        return self.last(torch.tanh(self.again(torch.tanh(self.middle(hidden)))))
-
-
 PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias", "again.bias", "last.weight",
                    "last.bias")  # the order of model.parameters(); again.weight is middle.weight
 
 
-def make_model(seed: int, config: dict, dtype: torch.dtype = torch.float32) -> ShardNet:
+def make_model(seed: int, config: dict, dtype: torch.dtype = torch.float32) -> TiedMLP:
     torch.manual_seed(seed)
-    return ShardNet(config["width"], config["hidden"], config["outputs"]).to(dtype)
+    return TiedMLP(config["width"], config["hidden"], config["outputs"]).to(dtype)
 
 
 def make_batch(config: dict, world_size: int, dtype: torch.dtype = torch.float32):

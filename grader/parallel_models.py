@@ -1,0 +1,32 @@
+"""The model the data-parallel graders (bucketed DDP, ZeRO-1, ZeRO-2) train: small, but with every case a sharding
+or bucketing rule must handle."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+
+class TiedMLP(torch.nn.Module):
+    """first -> middle -> again -> last with tanh between: uneven widths, a frozen bias (first.bias), a weight tied
+    between two layers (again.weight is middle.weight) and, with `input_scale`, a buffer that scales the input (so
+    its broadcast matters). `before_last` is applied to the last layer's input (an identity with a backward hook,
+    say)."""
+
+    def __init__(self, width: int, hidden: int, outputs: int, input_scale: bool = True,
+                 before_last: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        super().__init__()
+        self.first = torch.nn.Linear(width, hidden)
+        self.middle = torch.nn.Linear(hidden, hidden)
+        self.again = torch.nn.Linear(hidden, hidden)
+        self.again.weight = self.middle.weight
+        self.last = torch.nn.Linear(hidden, outputs)
+        self.first.bias.requires_grad_(False)
+        self.register_buffer("input_scale", torch.rand(width) + 0.5 if input_scale else None)
+        self.before_last = before_last
+
+    def forward(self, x):
+        hidden = torch.tanh(self.first(x if self.input_scale is None else x * self.input_scale))
+        hidden = torch.tanh(self.again(torch.tanh(self.middle(hidden))))
+        return self.last(hidden if self.before_last is None else self.before_last(hidden))
