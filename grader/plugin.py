@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import tempfile
 import time
 import zlib
 from pathlib import Path
@@ -12,12 +15,14 @@ import pytest
 
 from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
-from grader import backend, profiles
+from grader import backend, profiles, reference_lock, seal
+from grader.cluster.snapshot import snapshot
 from grader.distributed.launcher import RankJob, launcher_for
-from grader.context import Context, current, secret_seed, set_current
+from grader.context import Context, current, secret_seed, set_current, take_secret_seed
 from grader.outcomes import NotImplementedByStudent
-from grader.packages import load_problem_module, resolve
-from grader.report import results_json, score_table, write_results_json
+from grader.packages import PackageSpec, load_problem_module, resolve
+from grader.report import isolation_line, results_json, score_table
+from grader.sandbox import isolation
 from grader.sandbox.client import Sandbox
 from grader.scoring import TestResult, by_problem, classify
 
@@ -26,6 +31,9 @@ RESULTS = pytest.StashKey[dict]()
 PARTIAL = pytest.StashKey[tuple[float, str]]()
 GROUP_SIZES = pytest.StashKey[dict]()
 STARTED = pytest.StashKey[float]()
+REFERENCE_HASHES = pytest.StashKey[dict]()
+REFERENCE_MODULES = pytest.StashKey[dict]()
+RESULTS_KEY = pytest.StashKey[object]()
 
 __all__ = [
     "pytest_addoption",
@@ -63,16 +71,27 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "registry's, e.g. 4,8 on an 8-GPU node (env GRADER_WORLD_SIZES)")
     group.addoption("--results-json", default=os.environ.get("GRADER_RESULTS_JSON"),
                     help="write Gradescope's results.json here (env GRADER_RESULTS_JSON)")
+    group.addoption("--isolation", default=os.environ.get(isolation.ISOLATION_VARIABLE, "auto"),
+                    choices=isolation.REQUESTS,
+                    help="sandbox for student code: auto (bwrap when it works here, else uid as root, else none), "
+                         "bwrap, uid or none (env GRADER_ISOLATION)")
+    group.addoption("--refuse-unisolated", action="store_true",
+                    help="stop with a usage error where no sandbox (bwrap or uid) can be had: cluster grading jobs")
+    group.addoption("--results-nonce", default="",
+                    help="a grading job's nonce, signed into the results with the key in GRADER_RESULTS_KEY_FILE")
 
 
 def pytest_configure(config: pytest.Config) -> None:
     profile = config.getoption("--profile")
     profiles.load(profile)
+    config.stash[RESULTS_KEY] = seal.take_key()
     if profile == "grading":
         try:
-            secret_seed()  # fail now, before any test, if the seed is missing
-        except (RuntimeError, ValueError) as error:
+            take_secret_seed()  # fail now, before any test, if the seed is missing
+        except (OSError, RuntimeError, ValueError) as error:
             raise pytest.UsageError(str(error)) from None
+    for variable in isolation.SECRET_VARIABLES:
+        os.environ.pop(variable, None)  # nothing started from here on inherits a secret
     if config.getoption("--world-sizes"):
         text = config.getoption("--world-sizes")
         try:
@@ -89,10 +108,34 @@ def pytest_configure(config: pytest.Config) -> None:
         reference = resolve(config.getoption("--reference"), search_path)
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
-    set_current(Context(profile=profile, impl=impl, reference=reference, device=backend.device()))
+    try:
+        level, note = isolation.choose(config.getoption("--isolation"))
+    except (RuntimeError, ValueError) as error:
+        raise pytest.UsageError(str(error)) from None
+    if level == "none" and config.getoption("--refuse-unisolated"):
+        raise pytest.UsageError(f"refusing to grade without a sandbox: {note}")
+    device = backend.device()
+    on_gpu = device.type == "cuda"
+    sandbox = isolation.Isolation(level, gpu=on_gpu, address_space_bytes=None if on_gpu else isolation.physical_memory())
+    if level == "uid" and not isolation.unreadable_by_sandbox_user(reference.path):
+        raise pytest.UsageError(f"--isolation uid: the user {isolation.SANDBOX_USER!r} could read the reference at "
+                                f"{reference.path}; make a directory on its path private (chmod o-rx)")
+    set_current(Context(profile=profile, impl=impl, reference=reference, device=device, isolation=sandbox,
+                        isolation_note=note, impl_copy=private_copy(impl, sandbox)))
     config.stash[RESULTS] = {}
     config.stash[GROUP_SIZES] = {}
     config.stash[STARTED] = time.monotonic()
+
+
+def private_copy(impl: PackageSpec, sandbox: isolation.Isolation) -> PackageSpec | None:
+    """The package the sandboxes see: a copy taken now, so that nothing changes it while it is graded (under bwrap
+    it is also mounted read-only); removed when the session ends."""
+    folder = Path(tempfile.mkdtemp(prefix="grader-impl-"))
+    copy = snapshot(impl.path, folder / impl.name)
+    if sandbox.level == "uid":
+        for path in [folder, *copy.rglob("*"), copy]:
+            path.chmod(0o755 if path.is_dir() else 0o644)
+    return PackageSpec(impl.name, copy)
 
 
 def problem_of(item: pytest.Item) -> Problem | None:
@@ -116,6 +159,7 @@ def pytest_itemcollected(item: pytest.Item) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    lock_reference(config, items)
     if current().profile != "grading":
         return
     seed = secret_seed()
@@ -123,6 +167,18 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         function = getattr(item, "function", None)
         if function is not None and hasattr(function, "hypothesis"):
             hypothesis.seed(seed ^ zlib.crc32(item.nodeid.split("[")[0].encode()))(function)
+
+
+def lock_reference(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Import the reference modules of the selected problems and hash the reference's files, before any student code
+    starts (see grader.reference_lock)."""
+    reference = current().reference
+    config.stash[REFERENCE_HASHES] = reference_lock.fingerprint(reference.path)
+    modules = {}
+    for problem_id in {problem.id for problem in map(problem_of, items) if problem is not None}:
+        if reference.module_file(problem_id).exists():
+            modules[problem_id] = load_problem_module(reference, problem_id)
+    config.stash[REFERENCE_MODULES] = modules
 
 
 # --- fixtures -------------------------------------------------------------------------------------------------------
@@ -136,9 +192,11 @@ def problem(request: pytest.FixtureRequest) -> Problem:
 
 
 @pytest.fixture(scope="module")
-def reference(problem: Problem):
-    """The reference module, imported in the grader's own process (student code never is)."""
-    return load_problem_module(current().reference, problem.id)
+def reference(request: pytest.FixtureRequest, problem: Problem):
+    """The reference module, imported in the grader's own process before any student code ran (student code never
+    is)."""
+    modules = request.config.stash[REFERENCE_MODULES]
+    return modules[problem.id] if problem.id in modules else load_problem_module(current().reference, problem.id)
 
 
 @pytest.fixture(scope="module")
@@ -147,8 +205,9 @@ def student(request: pytest.FixtureRequest, problem: Problem):
     context = current()
     sandbox = Sandbox(
         problem.id,
-        context.impl,
+        context.graded,
         context.reference,
+        isolation=context.isolation,
         call_timeout_s=problem.call_timeout_s * request.config.getoption("--timeout-scale"),
         forbidden_ops=getattr(request.module, "FORBIDDEN_OPS", ()),
         uses_triton=getattr(request.module, "USES_TRITON", False),
@@ -166,14 +225,16 @@ class Ranks:
         self.launcher = launcher
         self.timeout_scale = timeout_scale
 
-    def run(self, program, world_size: int, *args, **kwargs) -> list:
-        return self._launch(current().impl, program, world_size, args, kwargs)
+    def run(self, program, world_size: int, *args, rank_data: list | None = None, **kwargs) -> list:
+        """Each rank's return value of program(student_module, rank, world_size, *args, **kwargs); with rank_data,
+        rank r alone also receives rank_data=rank_data[r]: inputs that the other ranks never see."""
+        return self._launch(current().graded, program, world_size, args, kwargs, rank_data)
 
-    def run_reference(self, program, world_size: int, *args, **kwargs) -> list:
+    def run_reference(self, program, world_size: int, *args, rank_data: list | None = None, **kwargs) -> list:
         """The same program with the reference in place of the student (for ratios measured in one run)."""
-        return self._launch(current().reference, program, world_size, args, kwargs)
+        return self._launch(current().reference, program, world_size, args, kwargs, rank_data)
 
-    def _launch(self, impl, program, world_size: int, args: tuple, kwargs: dict) -> list:
+    def _launch(self, impl, program, world_size: int, args: tuple, kwargs: dict, rank_data: list | None) -> list:
         context = current()
         job = RankJob(
             problem=self.problem.id,
@@ -183,6 +244,8 @@ class Ranks:
             world_size=world_size,
             args=args,
             kwargs=kwargs,
+            rank_data=rank_data,
+            isolation=context.isolation.level,
             timeout_s=self.problem.call_timeout_s * self.timeout_scale,
             # The launcher's own deadline ends a hang first, with a diagnosis; the collective timeout only guarantees
             # that ranks nobody watches (a Slurm job) cannot wait forever.
@@ -276,17 +339,38 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     terminalreporter.section("score")
     context = current()
     terminalreporter.write_line(f"impl: {context.impl.path}   profile: {context.profile}   device: {context.device}")
-    for line in score_table(by_problem(results)):
+    for line in score_table(by_problem(results), isolation_line(context.isolation.level, context.isolation_note)):
         terminalreporter.write_line(line)
+
+
+REFERENCE_MODIFIED_STATUS = 3
 
 
 def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     config = session.config
+    if RESULTS not in config.stash:
+        return
+    context = current()
+    context.isolation.close()
+    if context.impl_copy is not None:
+        shutil.rmtree(context.impl_copy.path.parent, ignore_errors=True)
+    if REFERENCE_HASHES in config.stash:
+        changed = reference_lock.changes(config.stash[REFERENCE_HASHES], reference_lock.fingerprint(context.reference.path))
+        if changed:
+            session.exitstatus = REFERENCE_MODIFIED_STATUS
+            config.get_terminal_writer().line(
+                f"reference modified during grading ({', '.join(changed[:5])}): no results written", red=True
+            )
+            return
     path = config.getoption("--results-json", None)
-    if not path or RESULTS not in config.stash:
+    if not path:
         return
     results = list(config.stash[RESULTS].values())
-    context = current()
-    extra = {"profile": context.profile, "impl": str(context.impl.path), "device": str(context.device)}
-    data = results_json(results, by_problem(results), time.monotonic() - config.stash[STARTED], extra)
-    write_results_json(Path(path), data)
+    extra = {"profile": context.profile, "impl": str(context.impl.path), "device": str(context.device),
+             "isolation": context.isolation.level}
+    data = results_json(results, by_problem(results), time.monotonic() - config.stash[STARTED], extra,
+                        isolation_line(context.isolation.level, context.isolation_note))
+    key = config.stash[RESULTS_KEY]
+    if key is not None:
+        data = seal.sign(data, key, config.getoption("--results-nonce"))
+    seal.write_atomically(Path(path), json.dumps(data, indent=2))

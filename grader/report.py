@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-import json
 import platform
-from pathlib import Path
 
 import torch
 
@@ -17,7 +15,12 @@ def points(value: float) -> str:
     return f"{value:g}"
 
 
-def score_table(scores: list[ProblemScore]) -> list[str]:
+def isolation_line(level: str, note: str = "") -> str:
+    """The last line of every score table: which sandbox student code ran in (see grader.sandbox.isolation)."""
+    return f"isolation: {level}" + (f" ({note})" if note else "")
+
+
+def score_table(scores: list[ProblemScore], isolation: str = "") -> list[str]:
     rows = [("problem", "status", "points", "reason")]
     for score in scores:
         reason = score.reason
@@ -39,7 +42,7 @@ def score_table(scores: list[ProblemScore]) -> list[str]:
         if index in (1, len(rows) - 1):
             lines.append("-" * (sum(widths) + 6 + 20))
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
-    return lines
+    return lines + ([isolation] if isolation else [])
 
 
 def machine_description() -> dict:
@@ -59,7 +62,8 @@ def machine_description() -> dict:
     }
 
 
-def results_json(results: list[TestResult], scores: list[ProblemScore], execution_time_s: float, extra: dict) -> dict:
+def results_json(results: list[TestResult], scores: list[ProblemScore], execution_time_s: float, extra: dict,
+                 isolation: str = "") -> dict:
     tests = []
     for problem_number, score in enumerate(scores, start=1):
         for test_number, result in enumerate(score.results, start=1):
@@ -79,12 +83,8 @@ def results_json(results: list[TestResult], scores: list[ProblemScore], executio
     return {
         "score": sum(s.score for s in scores),
         "execution_time": int(round(execution_time_s)),
-        "output": "\n".join(score_table(scores)),
+        "output": "\n".join(score_table(scores, isolation)),
         "tests": tests,
         "extra_data": {**machine_description(), **extra},
     }
 
-
-def write_results_json(path: Path, data: dict) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(data, indent=2))

@@ -1,5 +1,15 @@
-"""Tests of the grader itself. Triton's interpreter must be chosen before triton is first imported."""
+"""Tests of the grader itself. Triton's interpreter must be chosen before triton is first imported, and the sandbox
+that student code runs in must be installed before any test grades (as the Slurm cluster is, by the tests that need
+it)."""
+
+import os
+import shutil
+import subprocess
+from pathlib import Path
 
 from grader.backend import use_interpreter_without_gpu
 
 use_interpreter_without_gpu()
+
+if shutil.which("bwrap") is None and os.geteuid() == 0:
+    subprocess.run([str(Path(__file__).resolve().parents[1] / ".ci" / "bwrap" / "install")], check=True)

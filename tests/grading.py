@@ -28,9 +28,9 @@ class GraderRun:
 
 
 def run_grader(impl: str | Path, *pytest_args: str, profile: str = "ci", timeout_s: float = 900,
-               env: dict | None = None) -> GraderRun:
+               env: dict | None = None, results_path: Path | None = None) -> GraderRun:
     with tempfile.TemporaryDirectory() as scratch:
-        results_path = Path(scratch) / "results.json"
+        results_path = results_path or Path(scratch) / "results.json"
         command = [sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
                    "--impl", str(impl), "--profile", profile, "--results-json", str(results_path), *pytest_args]
         completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,

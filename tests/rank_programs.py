@@ -2,6 +2,7 @@
 
 import os
 import time
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -42,3 +43,15 @@ def rank_one_dies(student, rank, world_size):
         os._exit(3)
     dist.barrier()
     return rank
+
+
+def own_data_and_what_peers_can_see(student, rank, world_size, rank_data):
+    dist.barrier()  # every rank has read its own inputs
+    open_elsewhere = []
+    for link in Path("/proc").glob("[0-9]*/fd/*"):
+        try:
+            if "data.pt" in os.readlink(link):
+                open_elsewhere.append(str(link))
+        except OSError:
+            continue
+    return {"own": rank_data, "descriptors_of_peers": open_elsewhere}

@@ -8,13 +8,18 @@ router: it must still get full marks.
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
+import sys
+import tempfile
 import time
 import uuid
 from pathlib import Path
 
 import pytest
 
+from grader.sandbox import isolation
 from tests.grading import ROOT, assert_fails_for, processes_with, run_grader
 
 HOSTILE = Path(__file__).resolve().parent / "hostile"
@@ -77,12 +82,13 @@ def test_patched_checks_change_no_verdict(tmp_path):
     assert_router_unharmed(run)
 
 
-def test_reference_can_be_neither_imported_nor_read():
-    run = run_grader(HOSTILE / "steals_reference", "-k", "matches_reference_fp32")
-    assert_fails_for(
-        run, "kernels.softmax", "matches_reference_fp32",
-        "may not import the reference package", "may not read the reference",
-    )
+@pytest.mark.parametrize("level, refusal", [("bwrap", "No such file or directory"),
+                                             ("none", "may not read the reference")])
+def test_reference_can_be_neither_imported_nor_read(level, refusal):
+    """In the sandbox the reference is not there; without it, the worker's audit hook refuses the read."""
+    run = run_grader(HOSTILE / "steals_reference", "-k", "matches_reference_fp32", "--isolation", level,
+                     env={"HOSTILE_REFERENCE_GUESS": str(ROOT / "reference")})
+    assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "may not import the reference package", refusal)
 
 
 def test_no_worker_outlives_the_run(tmp_path):
@@ -92,3 +98,36 @@ def test_no_worker_outlives_the_run(tmp_path):
                env={name: value})
     time.sleep(0.5)
     assert processes_with(marker) == [], "worker processes outlived the grading run"
+
+
+def test_uid_level_keeps_student_code_out_of_a_private_reference(tmp_path):
+    """Where bwrap cannot run, a root grader runs student code as `nobody`, which cannot read a private reference.
+    Where `nobody` cannot run the grader's Python (a Python under /root, say), or the grader is not root, the level is
+    refused with the reason instead."""
+    unavailable = isolation.uid_unavailable()
+    if unavailable is not None:
+        done = subprocess.run([sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider",
+                               "--isolation", "uid", "-k", "nothing"], cwd=ROOT, capture_output=True, text=True)
+        assert f"--isolation uid: {unavailable}" in done.stdout + done.stderr and done.returncode == 4
+        return
+    private = tmp_path / "private"
+    shutil.copytree(ROOT / "reference", private / "reference", ignore=shutil.ignore_patterns("__pycache__"))
+    private.chmod(0o700)
+    run = run_grader(HOSTILE / "steals_reference", "-k", "matches_reference_fp32", "--isolation", "uid",
+                     "--reference", str(private / "reference"),
+                     env={"HOSTILE_REFERENCE_GUESS": str(private / "reference")})
+    assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "may not import the reference package",
+                     "Permission denied")
+    assert "isolation: uid" in run.results["output"]
+
+
+def test_uid_level_refuses_a_readable_reference():
+    readable = Path(tempfile.mkdtemp(prefix="readable-"))
+    readable.chmod(0o755)
+    shutil.copytree(ROOT / "reference", readable / "reference", ignore=shutil.ignore_patterns("__pycache__"))
+    done = subprocess.run([sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider", "--isolation",
+                           "uid", "--reference", str(readable / "reference"), "-k", "nothing"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    shutil.rmtree(readable)
+    reason = isolation.uid_unavailable() or "could read the reference"
+    assert reason in done.stdout + done.stderr and done.returncode == 4

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-import subprocess
 import time
+import uuid
 
 import pytest
 import torch
@@ -11,10 +11,11 @@ import torch
 from grader.distributed.launcher import LocalLauncher, RankJob, SubmititLauncher
 from grader.outcomes import StudentCrashed, StudentError, StudentTimedOut
 from grader.packages import resolve
-from tests.grading import ROOT
+from grader.sandbox import isolation
+from tests.grading import ROOT, processes_with
 
 
-def job(program: str, world_size: int = 2, timeout_s: float = 60.0) -> RankJob:
+def job(program: str, world_size: int = 2, timeout_s: float = 60.0, rank_data: list | None = None) -> RankJob:
     reference = resolve(str(ROOT / "reference"))
     return RankJob(
         problem="parallel.ddp",
@@ -25,6 +26,9 @@ def job(program: str, world_size: int = 2, timeout_s: float = 60.0) -> RankJob:
         timeout_s=timeout_s,
         collective_timeout_s=timeout_s + 30,
         backend="gloo",
+        rank_data=rank_data,
+        isolation=isolation.choose("auto")[0],
+        extra_code=(str(ROOT / "tests"),),
     )
 
 
@@ -68,8 +72,18 @@ def test_a_dead_rank_is_a_crash():
         LocalLauncher().run(job("rank_one_dies"))
 
 
-def test_no_rank_outlives_its_run():
+def test_no_rank_outlives_its_run(monkeypatch):
+    marker = uuid.uuid4().hex
+    monkeypatch.setenv("GRADER_TEST_RUN", marker)
     with pytest.raises(StudentTimedOut):
         LocalLauncher().run(job("rank_one_hangs", timeout_s=5))
-    leftover = subprocess.run(["pgrep", "-f", "grader.distributed.rank"], capture_output=True, text=True)
-    assert leftover.stdout.strip() == ""
+    time.sleep(0.5)
+    assert processes_with(marker) == []
+
+
+def test_each_rank_receives_only_its_own_data():
+    secrets = [torch.randn(3) for _ in range(3)]
+    results = LocalLauncher().run(job("own_data_and_what_peers_can_see", 3, rank_data=secrets))
+    for rank, result in enumerate(results):
+        assert torch.equal(result["own"], secrets[rank])
+        assert result["descriptors_of_peers"] == [], result  # no other rank's descriptor is open anywhere it can look

@@ -1,17 +1,21 @@
 """Launchers run one program on `world_size` ranks and bring back each rank's result.
 
-All launchers share one protocol through a run directory: the job description in `job.pt`, and from each rank a
-progress file (one line per collective it entered) and a result file (a torch.save of plain data, loaded with
-weights_only=True). So the verdict never depends on unpickling what student processes wrote, and a hang can be
-explained from the progress files whichever launcher ran the ranks.
+Every launcher starts the same trusted host process (`grader.distributed.host`), which puts all ranks of the launch
+into one sandbox (see grader.sandbox.isolation) and hands each rank its own inputs on a file descriptor. They share
+one protocol through a run directory: in `shared/` (the only part the sandbox sees) the job description `job.pt` and,
+from each rank, a progress file (one line per collective it entered), a result file (a torch.save of plain data,
+loaded with weights_only=True) and its exit status. So the verdict never depends on unpickling what student processes
+wrote, and a hang can be explained from the progress files whichever launcher ran the ranks. What a rank returns is
+forgeable: graders compare it with what they compute themselves.
 
-- `LocalLauncher`: one process per rank on this machine (gloo on CPU; NCCL when every rank has a GPU).
-- `SubmititLauncher`: one job with a task per rank through submitit (its local executor, or Slurm).
-- `SrunLauncher`: inside a Slurm allocation, one job step whose tasks are the ranks.
+- `LocalLauncher`: the host process on this machine (gloo on CPU; NCCL when every rank has a GPU).
+- `SubmititLauncher`: the host process as a submitit job (its local executor, or Slurm).
+- `SrunLauncher`: inside a Slurm allocation, the host process as one job step.
 """
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import shutil
@@ -29,7 +33,8 @@ import torch
 
 from grader.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
 from grader.packages import PackageSpec
-from grader.sandbox.client import SECRET_VARIABLES, exit_description, student_environment
+from grader.sandbox.client import exit_description
+from grader.sandbox.isolation import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode
 
 POLL_S = 0.05
@@ -47,9 +52,14 @@ class RankJob:
     world_size: int
     args: tuple = ()
     kwargs: dict = field(default_factory=dict)
+    # Rank r alone receives rank_data[r], as the keyword argument rank_data: its own inputs, which no other rank (and
+    # no shared argument) can rebuild, so that a correct result needs communication.
+    rank_data: list | None = None
     timeout_s: float = 60.0
     collective_timeout_s: float = 90.0
     backend: str = "auto"
+    isolation: str = "none"
+    extra_code: tuple[str, ...] = ()  # further read-only code folders the program needs (the grader's own tests)
 
     def resolved_backend(self) -> str:
         if self.backend != "auto":
@@ -63,28 +73,48 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def prepare_run_dir(job: RankJob, master_addr: str) -> Path:
+def prepare_run_dir(job: RankJob) -> Path:
+    """A run folder: `private/` (the launch's settings and each rank's own inputs, read by the trusted host process
+    only) and `shared/` (the ranks' job, progress, logs and results: what the sandbox sees)."""
     run = Path(tempfile.mkdtemp(prefix=f"ranks-{job.problem}-"))
+    (run / "private").mkdir()
+    (run / "shared").mkdir()
+    backend = job.resolved_backend()
     description = {
         "problem": job.problem,
-        "impl": job.impl.to_json(),
-        "reference": job.reference.to_json(),
+        "impl_name": job.impl.name,
+        "reference": {"name": job.reference.name, "path": str(job.reference.path)},
         "program": job.program,
         "args": list(job.args),
         "kwargs": job.kwargs,
-        "backend": job.resolved_backend(),
-        "master_addr": master_addr,
-        "master_port": free_port(),
+        "world_size": job.world_size,
+        "has_rank_data": job.rank_data is not None,
+        "backend": backend,
+        # The ranks of one launch share one sandbox and its loopback; without a sandbox, the machine's.
+        "master_addr": "127.0.0.1",
+        "master_port": 29500 if job.isolation == "bwrap" else free_port(),
         "collective_timeout_s": job.collective_timeout_s,
     }
-    (run / "job.pt").write_bytes(encode(description))
+    (run / "shared" / "job.pt").write_bytes(encode(description))
+    host = {"impl": job.impl.to_json(), "isolation": job.isolation, "gpu": backend == "nccl",
+            "world_size": job.world_size, "extra_code": list(job.extra_code)}
+    (run / "private" / "host.json").write_text(json.dumps(host))
+    if job.rank_data is not None:
+        if len(job.rank_data) != job.world_size:
+            raise ValueError(f"rank_data holds {len(job.rank_data)} entries for {job.world_size} ranks")
+        for rank, data in enumerate(job.rank_data):
+            (run / "private" / f"rank{rank}.data.pt").write_bytes(encode(data))
     return run
+
+
+def host_command(run: Path) -> list[str]:
+    return [sys.executable, "-m", "grader.distributed.host", str(run)]
 
 
 def last_progress(run: Path, rank: int) -> tuple[int, str]:
     """(sequence number, operation) of the last collective the rank entered; (0, "") if none."""
     try:
-        lines = (run / f"rank{rank}.progress").read_text().splitlines()
+        lines = (run / "shared" / f"rank{rank}.progress").read_text().splitlines()
     except OSError:
         return 0, ""
     seq, _, op = lines[-1].partition(" ") if lines else ("0", "", "")
@@ -112,13 +142,36 @@ def hang_diagnosis(run: Path, world_size: int, finished: set[int]) -> str:
     return message
 
 
+def read_reply(path: Path) -> dict | None:
+    """A rank's result file as a reply; a file the rank's code damaged reads as that rank's error."""
+    try:
+        reply = decode(path.read_bytes())
+        if isinstance(reply, dict) and reply.get("status") in ("ok", "error"):
+            return reply
+    except Exception:  # noqa: BLE001 - written inside the sandbox: anything may be there
+        pass
+    return {"status": "error", "kind": "exception", "type_names": ["CorruptResult"], "traceback": "",
+            "message": f"{path.name} is not a result the grader's rank program wrote"}
+
+
+def exit_codes_of(run: Path, world_size: int) -> dict[int, int | None]:
+    """Each rank's exit status, as the launch's first process inside the sandbox recorded it (None: still running)."""
+    codes = {}
+    for rank in range(world_size):
+        try:
+            codes[rank] = int((run / "shared" / f"rank{rank}.exit").read_text())
+        except (OSError, ValueError):
+            codes[rank] = None
+    return codes
+
+
 def collect(run: Path, job: RankJob, exit_codes: dict[int, int | None], timed_out: bool) -> list:
     """Each rank's value, or the exception that describes what went wrong (the first error written wins)."""
     replies, written_ns = {}, {}
     for rank in range(job.world_size):
-        path = run / f"rank{rank}.result"
+        path = run / "shared" / f"rank{rank}.result"
         if path.exists():
-            replies[rank] = decode(path.read_bytes())
+            replies[rank] = read_reply(path)
             written_ns[rank] = path.stat().st_mtime_ns
     missing = [r for r in range(job.world_size) if r not in replies]
     # A rank that exited by itself without a result is the cause of whatever its peers then saw.
@@ -153,7 +206,7 @@ def collect(run: Path, job: RankJob, exit_codes: dict[int, int | None], timed_ou
 
 
 def rank_death(run: Path, rank: int, world_size: int, exit_code: int | None) -> str:
-    log = run / f"rank{rank}.log"
+    log = run / "shared" / f"rank{rank}.log"
     tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else ""
     return f"rank {rank} of {world_size} died ({exit_description(exit_code)}) without a result" + (
         f"; its last output:\n{tail}" if tail else ""
@@ -161,54 +214,45 @@ def rank_death(run: Path, rank: int, world_size: int, exit_code: int | None) -> 
 
 
 class LocalLauncher:
-    """One process per rank on this machine."""
+    """The ranks as processes on this machine, in one sandbox started by the trusted host process."""
 
     name = "local"
 
     def run(self, job: RankJob) -> list:
-        run = prepare_run_dir(job, "127.0.0.1")
-        processes = {}
+        run = prepare_run_dir(job)
+        with open(run / "host.log", "wb") as log:
+            host = subprocess.Popen(host_command(run), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                                    env=launcher_environment(), start_new_session=True)
         try:
-            for rank in range(job.world_size):
-                env = student_environment()
-                env.update(RANK=str(rank), WORLD_SIZE=str(job.world_size), LOCAL_RANK=str(rank))
-                with open(run / f"rank{rank}.log", "wb") as log:
-                    processes[rank] = subprocess.Popen(
-                        [sys.executable, "-m", "grader.distributed.rank", str(run)],
-                        stdin=subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=subprocess.STDOUT,
-                        env=env,
-                        start_new_session=True,
-                    )
-            timed_out = self.wait(processes, run, job)
-            return collect(run, job, {r: p.poll() for r, p in processes.items()}, timed_out)
+            timed_out = wait_for_ranks(lambda: host.poll() is not None, run, job)
+            return collect(run, job, exit_codes_of(run, job.world_size), timed_out)
         finally:
-            for process in processes.values():
-                with _ignoring(ProcessLookupError):
-                    os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
+            with _ignoring(ProcessLookupError):
+                os.killpg(host.pid, signal.SIGKILL)  # the sandbox dies with the host, every rank with the sandbox
+            host.wait()
             shutil.rmtree(run, ignore_errors=True)
 
-    @staticmethod
-    def wait(processes: dict[int, subprocess.Popen], run: Path, job: RankJob) -> bool:
-        """Wait for every rank; True if the time ran out. One rank's failure shortens everyone's wait."""
-        deadline = time.monotonic() + job.timeout_s
-        while time.monotonic() < deadline:
-            codes = {r: p.poll() for r, p in processes.items()}
-            if all(code is not None for code in codes.values()):
-                return False
-            failed = any(code not in (None, 0) for code in codes.values()) or any(
-                _is_error(run / f"rank{r}.result") for r in processes
-            )
-            if failed:
-                deadline = min(deadline, time.monotonic() + GRACE_S)
-            time.sleep(POLL_S)
-        return not all(p.poll() is not None for p in processes.values())
+
+def wait_for_ranks(ended, run: Path, job: RankJob) -> bool:
+    """Wait for every rank; True if the time ran out. One rank's failure shortens everyone's wait."""
+    deadline = time.monotonic() + job.timeout_s
+    while time.monotonic() < deadline:
+        if ended():
+            return False
+        codes = exit_codes_of(run, job.world_size)
+        if all(code is not None for code in codes.values()):
+            return False
+        failed = any(code not in (None, 0) for code in codes.values()) or any(
+            _is_error(run / "shared" / f"rank{r}.result") for r in range(job.world_size)
+        )
+        if failed:
+            deadline = min(deadline, time.monotonic() + GRACE_S)
+        time.sleep(POLL_S)
+    return not ended() and not all(code is not None for code in exit_codes_of(run, job.world_size).values())
 
 
 def _is_error(path: Path) -> bool:
-    return path.exists() and decode(path.read_bytes())["status"] == "error"
+    return path.exists() and read_reply(path)["status"] == "error"
 
 
 @contextmanager
@@ -217,6 +261,11 @@ def _ignoring(*errors):
         yield
     except errors:
         pass
+
+
+def launcher_environment() -> dict[str, str]:
+    """The host process' environment: the grader's, without its secrets (the host passes it on to the ranks)."""
+    return {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
 
 
 @contextmanager
@@ -229,8 +278,13 @@ def _without_secrets():
         os.environ.update(saved)
 
 
+def run_host(run_dir: str) -> int:
+    """Submitit's job function: the host process, started as a command so that it runs with a clean interpreter."""
+    return subprocess.run(host_command(Path(run_dir)), stdin=subprocess.DEVNULL, env=launcher_environment()).returncode
+
+
 class SubmititLauncher:
-    """One submitit job whose tasks are the ranks: `executor="local"` here, `"slurm"` on a cluster."""
+    """One submitit job that runs the launch's host process: `executor="local"` here, `"slurm"` on a cluster."""
 
     name = "submitit"
 
@@ -242,57 +296,44 @@ class SubmititLauncher:
     def run(self, job: RankJob) -> list:
         import submitit
 
-        from grader.distributed.rank import run_rank
-
-        master_addr = "127.0.0.1" if self.executor == "local" else socket.gethostname()
-        run = prepare_run_dir(job, master_addr)
+        run = prepare_run_dir(job)
         # A fresh folder per run: submitit folders reused across runs can return stale results when job ids repeat.
         folder = (self.folder or run) / f"submitit-{run.name}"
         executor = submitit.AutoExecutor(folder=folder, cluster=self.executor)
         executor.update_parameters(
-            nodes=1, tasks_per_node=job.world_size, timeout_min=max(1, math.ceil(job.timeout_s / 60)), **self.parameters
-        )
+            nodes=1, tasks_per_node=1, cpus_per_task=job.world_size,
+            timeout_min=max(1, math.ceil(job.timeout_s / 60)), **self.parameters,
+        )  # fmt: skip
         try:
             with _without_secrets():
-                submitted = executor.submit(run_rank, str(run))
-            deadline = time.monotonic() + job.timeout_s
-            while not submitted.done() and time.monotonic() < deadline:
-                time.sleep(POLL_S * 4)
-            timed_out = not submitted.done()
+                submitted = executor.submit(run_host, str(run))
+            timed_out = wait_for_ranks(submitted.done, run, job)
             if timed_out:
                 submitted.cancel(check=False)
-            return collect(run, job, {}, timed_out)
+            return collect(run, job, exit_codes_of(run, job.world_size), timed_out)
         finally:
             shutil.rmtree(run, ignore_errors=True)
 
 
 class SrunLauncher:
-    """Inside a Slurm allocation: the ranks are the tasks of one job step (`srun --ntasks=N`), reading SLURM_PROCID,
-    SLURM_NTASKS and SLURM_LOCALID. The allocation must hold at least N tasks on one node."""
+    """Inside a Slurm allocation: the launch is one job step (`srun --ntasks=1`) whose one task is the host process,
+    which starts every rank in one sandbox. The allocation must hold a CPU per rank on one node."""
 
     name = "srun"
 
     def run(self, job: RankJob) -> list:
-        run = prepare_run_dir(job, socket.gethostname())
-        env = student_environment()
-        for variable in ("RANK", "WORLD_SIZE", "LOCAL_RANK"):
-            env.pop(variable, None)
+        run = prepare_run_dir(job)
         command = [
-            "srun", f"--ntasks={job.world_size}", "--nodes=1", "--overlap", "--kill-on-bad-exit=0",
-            f"--job-name=ranks-{job.problem}", "--output", str(run / "rank%t.log"),
-            sys.executable, "-m", "grader.distributed.rank", str(run),
+            "srun", "--ntasks=1", f"--cpus-per-task={job.world_size}", "--nodes=1", "--overlap",
+            f"--job-name=ranks-{job.problem}", "--output", str(run / "host.log"), *host_command(run),
         ]  # fmt: skip
-        step = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=env, start_new_session=True)
+        step = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=launcher_environment(), start_new_session=True)
         try:
-            try:
-                step.wait(timeout=job.timeout_s)
-                timed_out = False
-            except subprocess.TimeoutExpired:
-                timed_out = True
-            return collect(run, job, {}, timed_out)
+            timed_out = wait_for_ranks(lambda: step.poll() is not None, run, job)
+            return collect(run, job, exit_codes_of(run, job.world_size), timed_out)
         finally:
             with _ignoring(ProcessLookupError):
-                os.killpg(step.pid, signal.SIGKILL)  # srun forwards the kill to every task of the step
+                os.killpg(step.pid, signal.SIGKILL)  # srun forwards the kill to the step's task
             step.wait()
             shutil.rmtree(run, ignore_errors=True)
 

@@ -1,8 +1,11 @@
 """The entry point of one rank: guards, process group, student module, the grader's program, the result file.
 
-Run by every launcher (as `python -m grader.distributed.rank RUN_DIR`, or called through submitit). The rank's index
-and the world size come from the launcher's variables: RANK/WORLD_SIZE, submitit's job environment, or Slurm's
-SLURM_PROCID/SLURM_NTASKS.
+Started by `grader.distributed.group` inside the launch's sandbox as `python -m grader.distributed.rank RUN_DIR`, with
+RANK, WORLD_SIZE and LOCAL_RANK set, and, when the grader gave each rank its own inputs, GRADER_RANK_DATA_FD: a
+descriptor that only this rank holds, read and closed before the process group forms (so before any rank runs student
+code). The grader's program is resolved before the student's module is imported, so replacing it afterwards does not
+change what runs; what the program returns is still checked against the grader's own computation, since student code
+in the same process could change anything else.
 """
 
 from __future__ import annotations
@@ -20,23 +23,14 @@ import torch.distributed as dist
 from grader.distributed import recorder
 from grader.packages import PackageSpec, load_problem_module
 from grader.sandbox import guards
-from grader.sandbox.client import SECRET_VARIABLES
+from grader.sandbox.isolation import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode, to_plain
-from grader.sandbox.worker import describe_exception
+from grader.sandbox.worker import describe_exception, guard_reference
 
 
 def rank_and_world() -> tuple[int, int, int]:
-    """(global rank, world size, local rank) from torchrun-style or Slurm variables."""
-    if "RANK" in os.environ:
-        return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
-    if "SUBMITIT_EXECUTOR" in os.environ:
-        import submitit
-
-        environment = submitit.JobEnvironment()
-        return environment.global_rank, environment.num_tasks, environment.local_rank
-    if "SLURM_PROCID" in os.environ:
-        return int(os.environ["SLURM_PROCID"]), int(os.environ["SLURM_NTASKS"]), int(os.environ["SLURM_LOCALID"])
-    raise RuntimeError("no rank variables: RANK/WORLD_SIZE, submitit's or SLURM_PROCID/SLURM_NTASKS")
+    """(global rank, world size, local rank), set by the launch's group process."""
+    return int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), int(os.environ.get("LOCAL_RANK", 0))
 
 
 def rank_device() -> torch.device:
@@ -52,21 +46,30 @@ def write(path: Path, message: dict) -> None:
     temporary.rename(path)  # whole or absent: the launcher never reads half a file
 
 
+def own_inputs() -> dict:
+    """This rank's own inputs, if the grader gave it any: {"rank_data": ...}."""
+    fd = os.environ.pop("GRADER_RANK_DATA_FD", None)
+    if fd is None:
+        return {}
+    with os.fdopen(int(fd), "rb") as handle:
+        return {"rank_data": decode(handle.read())}
+
+
 def run_rank(run_dir: str) -> None:
     run = Path(run_dir)
     for name in SECRET_VARIABLES:
         os.environ.pop(name, None)
     job = decode((run / "job.pt").read_bytes())
     rank, world_size, local_rank = rank_and_world()
-    impl = PackageSpec.from_json(job["impl"])
+    impl = PackageSpec(job["impl_name"], Path(os.environ["GRADER_IMPL_DIR"]))
     result_file = run / f"rank{rank}.result"
     try:
+        own = own_inputs()
         recorder.install(run / f"rank{rank}.progress")
         guards.forbid_torch_data_parallel()
-        reference = PackageSpec.from_json(job["reference"])
-        if reference.path != impl.path:
-            # By name too, unless the graded package has the reference's name (a copy of it, say).
-            guards.block_reference(reference.name if reference.name != impl.name else None, reference.path)
+        guard_reference(job["reference"], impl)
+        module_name, _, function_name = job["program"].partition(":")
+        program = getattr(importlib.import_module(module_name), function_name)
         if job["backend"] == "nccl":
             torch.cuda.set_device(local_rank)
         dist.init_process_group(
@@ -77,9 +80,7 @@ def run_rank(run_dir: str) -> None:
             timeout=datetime.timedelta(seconds=job["collective_timeout_s"]),
         )
         student = load_problem_module(impl, job["problem"])
-        module_name, _, function_name = job["program"].partition(":")
-        program = getattr(importlib.import_module(module_name), function_name)
-        value = program(student, rank, world_size, *job["args"], **job["kwargs"])
+        value = program(student, rank, world_size, *job["args"], **job["kwargs"], **own)
         write(result_file, {"status": "ok", "value": to_plain(value)})
     except BaseException as error:  # noqa: BLE001 - reported to the launcher, which decides the verdict
         write(result_file, describe_exception(error, impl.path))

@@ -27,18 +27,10 @@ from grader.outcomes import (
     StudentTimedOut,
 )
 from grader.packages import PackageSpec
+from grader.sandbox.isolation import Isolation, Mounts
 from grader.sandbox.wire import decode, encode
 
-# Variables a student process must not see: the grading seed would let it predict the inputs, the reference path
-# would tell it where the solutions are.
-SECRET_VARIABLES = ("GRADER_SECRET_SEED", "GRADER_REFERENCE")
 START_TIMEOUT_S = 180.0
-
-
-def student_environment() -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2]), env.get("PYTHONPATH", "")])
-    return env
 
 
 def kill_group(process: subprocess.Popen) -> None:
@@ -68,6 +60,12 @@ def exit_description(returncode: int | None) -> str:
     return f"exited with status {returncode}"
 
 
+def reference_as_seen(reference: PackageSpec, isolation: Isolation) -> dict:
+    """What a student process is told of the reference: its name, to refuse importing it, and its path only where the
+    process could otherwise reach the directory (no bwrap sandbox)."""
+    return {"name": reference.name, "path": None if isolation.level == "bwrap" else str(reference.path)}
+
+
 class Sandbox:
     """One student module in a worker process. Calls block until the worker answers or its time runs out."""
 
@@ -77,16 +75,19 @@ class Sandbox:
         impl: PackageSpec,
         reference: PackageSpec,
         *,
+        isolation: Isolation,
         call_timeout_s: float,
         forbidden_ops: tuple[str, ...] = (),
         uses_triton: bool = False,
         forbid_torch_data_parallel: bool = False,
     ):
         self.problem_id = problem_id
+        self.isolation = isolation
+        self.mounts = Mounts(impl_dir=impl.path)
         self.start_message = {
             "problem": problem_id,
-            "impl": impl.to_json(),
-            "reference": reference.to_json(),
+            "impl": PackageSpec(impl.name, isolation.impl_path(impl.path)).to_json(),
+            "reference": reference_as_seen(reference, isolation),
             "forbidden_ops": list(forbidden_ops),
             "uses_triton": uses_triton,
             "forbid_torch_data_parallel": forbid_torch_data_parallel,
@@ -103,14 +104,14 @@ class Sandbox:
     def start(self) -> None:
         ours, theirs = socket.socketpair()
         with open(self.log, "ab") as log:
-            self.process = subprocess.Popen(
+            # Its own process group (and, under bwrap, its own pid namespace), so a kill takes its children too.
+            self.process = self.isolation.popen(
                 [sys.executable, "-m", "grader.sandbox.worker", str(theirs.fileno())],
-                pass_fds=[theirs.fileno()],
+                self.mounts,
+                pass_fds=(theirs.fileno(),),
                 stdin=subprocess.DEVNULL,
                 stdout=log,
                 stderr=subprocess.STDOUT,
-                env=student_environment(),
-                start_new_session=True,  # its own process group, so a kill takes its children too
             )
         theirs.close()
         self.connection = Connection(ours.detach())
@@ -164,6 +165,12 @@ class Sandbox:
         return reply
 
     def enforce_rules(self, reply: dict, what: str) -> None:
+        if reply.get("tampered"):
+            raise RuleViolation(f"{what} modified the grader's recorder in the worker ({', '.join(reply['tampered'][:4])})")
+        if reply.get("left_running"):
+            raise RuleViolation(
+                f"{what} left {', '.join(reply['left_running'])} running after it returned: a call must finish its work"
+            )
         if reply["forbidden"]:
             raise RuleViolation(
                 f"{what} called {', '.join(reply['forbidden'])}: this problem is to reimplement that operator"

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import importlib.abc
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -41,12 +42,15 @@ class _RefuseImport(importlib.abc.MetaPathFinder):
         return None
 
 
-def block_reference(package_name: str | None, directory: Path) -> None:
-    """Refuse imports of the reference package (by name, unless None) and any file access below its directory, for
-    the process' life. The audit hook cannot be removed once added, so student code cannot undo it.
+def block_reference(package_name: str | None, directory: Path | None) -> None:
+    """Refuse imports of the reference package (by name, unless None) and any file access below its directory (when
+    the process can reach it: without a bwrap sandbox), for the process' life. The audit hook cannot be removed once
+    added, so student code cannot undo it; a child process is not bound by it, which is why the sandbox matters.
     """
     if package_name is not None:
         sys.meta_path.insert(0, _BlockPackage(package_name))
+    if directory is None:
+        return
     root = str(directory.resolve())
 
     def audit(event: str, args: tuple) -> None:
@@ -63,7 +67,8 @@ def block_reference(package_name: str | None, directory: Path) -> None:
 
 
 class ForbiddenOpRecorder(TorchDispatchMode):
-    """Records which of the given aten operators were called while active (any route: torch.x, Tensor.x, F.x)."""
+    """Records which of the given aten operators were called while active (any route: torch.x, Tensor.x, F.x), in
+    this thread and, once `record_every_thread()` ran, in every thread started from Python."""
 
     def __init__(self, op_names: tuple[str, ...]):
         super().__init__()
@@ -75,11 +80,60 @@ class ForbiddenOpRecorder(TorchDispatchMode):
                 self.packets[packet] = name
         self.seen: list[str] = []
 
-    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+    def note(self, func) -> None:
         name = self.packets.get(func.overloadpacket)
         if name is not None and name not in self.seen:
             self.seen.append(name)
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.note(func)
         return func(*args, **(kwargs or {}))
+
+    def __enter__(self):
+        _ACTIVE_RECORDERS.append(self)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        _ACTIVE_RECORDERS.remove(self)
+        return super().__exit__(*exc)
+
+
+# Dispatch modes are per thread. Other threads forward every operator to the recorders active at that moment.
+_ACTIVE_RECORDERS: list[ForbiddenOpRecorder] = []
+
+
+class _ForwardToActiveRecorders(TorchDispatchMode):
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        for recorder in list(_ACTIVE_RECORDERS):
+            recorder.note(func)
+        return func(*args, **(kwargs or {}))
+
+
+def record_every_thread(student_dir: Path) -> None:
+    """Every Python thread started from now on runs under the forwarding mode, and a thread started from a file
+    below `student_dir` is marked as the student's (see `student_threads`)."""
+    run, start = threading.Thread.run, threading.Thread.start
+
+    def recorded_run(self):
+        with _ForwardToActiveRecorders():
+            return run(self)
+
+    def marked_start(self):
+        frame = sys._getframe(1)
+        while frame is not None:
+            if Path(frame.f_code.co_filename).is_relative_to(student_dir):
+                self._grader_started_by_student = True
+                break
+            frame = frame.f_back
+        return start(self)
+
+    threading.Thread.run = recorded_run
+    threading.Thread.start = marked_start
+
+
+def student_threads() -> list[threading.Thread]:
+    """Threads started by student code that are still running."""
+    return [t for t in threading.enumerate() if getattr(t, "_grader_started_by_student", False) and t.is_alive()]
 
 
 class ForbiddenModuleUsed(RuntimeError):
@@ -137,3 +191,25 @@ def forbid_torch_checkpoint() -> None:
     for name in ("checkpoint", "checkpoint_sequential", "_checkpoint_without_reentrant_generator"):
         setattr(checkpoint, name, refuse(f"torch.utils.checkpoint.{name}"))
     checkpoint.CheckpointFunction.forward = staticmethod(refuse("torch.utils.checkpoint.CheckpointFunction"))
+
+
+class Tampering:
+    """What the worker's recorders are made of, captured before student code is imported, so that a student module
+    that replaces them (through `__main__` or `grader.sandbox.*`) is noticed after the call. An in-process check: it
+    catches the direct patch, not an attacker who also defeats this check."""
+
+    def __init__(self, *holders: object):
+        self.holders = holders
+        self.captured = self.snapshot()
+
+    def snapshot(self) -> dict[str, object]:
+        parts = {}
+        for holder in self.holders:
+            for name, value in list(vars(holder).items()):
+                if callable(value) or isinstance(value, (staticmethod, classmethod)):
+                    parts[f"{getattr(holder, '__name__', holder)}.{name}"] = value
+        return parts
+
+    def changed(self) -> list[str]:
+        now = self.snapshot()
+        return sorted(name for name in self.captured.keys() | now.keys() if self.captured.get(name) is not now.get(name))

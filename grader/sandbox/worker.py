@@ -8,12 +8,16 @@ the student module, then answers requests until the socket closes.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import functools
 import importlib
 import os
+import signal
 import socket
 import sys
+import threading
+import time
 import traceback
 from multiprocessing.connection import Connection
 from pathlib import Path
@@ -63,11 +67,13 @@ class Worker:
             self.launches = triton_hooks.LAUNCHES
         if start.get("forbid_torch_data_parallel"):
             guards.forbid_torch_data_parallel()
-        reference = PackageSpec.from_json(start["reference"])
         impl = PackageSpec.from_json(start["impl"])
-        if reference.path != impl.path:
-            # By name too, unless the graded package has the reference's name (a copy of it, say).
-            guards.block_reference(reference.name if reference.name != impl.name else None, reference.path)
+        guard_reference(start["reference"], impl)
+        guards.record_every_thread(impl.path)
+        self.tampering = guards.Tampering(
+            guards, guards.ForbiddenOpRecorder, guards._ForwardToActiveRecorders, threading.Thread, Worker,
+            sys.modules[__name__], *((triton_hooks_module(), type(self.launches)) if self.launches is not None else ()),
+        )
         self.impl_dir = impl.path
         self.timer = None
         self.last_output = None
@@ -99,6 +105,8 @@ class Worker:
             yield observed
         observed["launches"] = list(self.launches.names) if self.launches is not None else []
         observed["forbidden"] = recorder.seen
+        observed["left_running"] = left_running()
+        observed["tampered"] = self.tampering.changed()
 
     @staticmethod
     def backward(value, args, grad: dict):
@@ -151,6 +159,65 @@ class Worker:
             return describe_exception(error, self.impl_dir)
 
 
+def triton_hooks_module():
+    from grader.sandbox import triton_hooks
+
+    return triton_hooks
+
+
+def guard_reference(reference: dict, impl: PackageSpec) -> None:
+    """Refuse the reference by name (unless the graded package has its name: a copy of it, say) and, where its
+    directory is reachable (no bwrap sandbox), by path."""
+    path = Path(reference["path"]) if reference["path"] else None
+    if path is not None and path == impl.path:
+        return  # grading the reference itself
+    guards.block_reference(reference["name"] if reference["name"] != impl.name else None, path)
+
+
+PR_SET_CHILD_SUBREAPER = 36
+
+
+def adopt_orphans() -> None:
+    """Become the subreaper of everything student code starts: a detached daemon stays our descendant."""
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+
+
+def descendants(pid: int) -> list[int]:
+    parents = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(fields[1])
+    found, frontier = [], [pid]
+    while frontier:
+        parent = frontier.pop()
+        children = [child for child, ppid in parents.items() if ppid == parent]
+        found += children
+        frontier += children
+    return found
+
+
+def command_line(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace").strip()
+    except OSError:
+        return "?"
+
+
+def left_running() -> list[str]:
+    """Processes and threads student code left running after a call; the processes are killed."""
+    time.sleep(0)  # let threads that are finishing finish
+    left = [f"thread {t.name!r}" for t in guards.student_threads()]
+    for pid in descendants(os.getpid()):
+        left.append(f"process {pid} ({command_line(pid)[:80]})")
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    return left
+
+
 def serve(connection: Connection) -> None:
     start = decode(connection.recv_bytes())
     try:
@@ -176,6 +243,7 @@ def serve(connection: Connection) -> None:
 
 def main() -> None:
     faulthandler.enable()
+    adopt_orphans()
     sock = socket.socket(fileno=int(sys.argv[1]))
     connection = Connection(os.dup(sock.fileno()))
     sock.close()

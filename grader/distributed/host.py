@@ -1,0 +1,48 @@
+"""The trusted start of one launch of ranks: `python -m grader.distributed.host RUN_DIR`.
+
+Runs outside the sandbox, before any student code, and imports no torch (a launch pays for that in its ranks only). It opens each rank's own inputs (`private/rank<r>.data.pt`) and
+removes the files, so that they exist only as open descriptors, then starts the rank group inside the sandbox with
+those descriptors; the group hands descriptor r to rank r alone. The sandbox sees only `shared/`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+from grader.sandbox.isolation import Isolation, Mounts, physical_memory
+
+
+def main() -> int:
+    run = Path(sys.argv[1])
+    host = json.loads((run / "private" / "host.json").read_text())
+    # CUDA reserves far more address space than it uses: on a GPU the job's own memory limit applies instead.
+    isolation = Isolation(host["isolation"], gpu=host["gpu"], address_space_bytes=None if host["gpu"] else physical_memory())
+    shared = run / "shared"
+    isolation.grant(shared)
+    data_fds = []
+    for rank in range(host["world_size"]):
+        path = run / "private" / f"rank{rank}.data.pt"
+        if path.exists():
+            data_fds.append(os.open(path, os.O_RDONLY))
+            path.unlink()
+    impl = Path(host["impl"]["path"])
+    mounts = Mounts(impl_dir=impl, run_dir=shared, extra_code=tuple(Path(p) for p in host["extra_code"]))
+    env = {"GRADER_IMPL_DIR": str(isolation.impl_path(impl)), "GRADER_RANK_DATA_FDS": ",".join(map(str, data_fds))}
+    group = isolation.popen(
+        [sys.executable, "-m", "grader.distributed.group", str(isolation.run_path(shared)), str(host["world_size"])],
+        mounts, pass_fds=tuple(data_fds), env=env, stdin=subprocess.DEVNULL,
+    )
+    for fd in data_fds:
+        os.close(fd)
+    try:
+        return group.wait()
+    finally:
+        isolation.close()
+
+
+if __name__ == "__main__":
+    sys.exit(main())
