@@ -1,4 +1,5 @@
-"""Command line: `python -m grader submit` (one submission) and `python -m grader grade-all` (a whole class).
+"""Command line: `python -m grader submit` (one submission), `python -m grader grade-all` (a whole class) and
+`python -m grader check-isolation` (which sandbox student code gets on this machine).
 
 Both run on Slurm through submitit when `sbatch` is on the PATH, and through submitit's local executor otherwise
 (`--executor` chooses explicitly).
@@ -40,6 +41,10 @@ def add_common(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="multiply the grader's time limits")
     parser.add_argument("--max-resubmissions", type=int, default=2,
                         help="times a job ended by node failure or preemption is submitted again")
+    parser.add_argument("--isolation", default="auto", choices=("auto", "bwrap", "uid", "none"),
+                        help="sandbox for student code on the grading node (see the README's 'Isolation')")
+    parser.add_argument("--allow-unisolated", action="store_true",
+                        help="grade even where the node offers no sandbox (student code then runs as your user)")
 
 
 def options_from(args: argparse.Namespace, problem_ids: list[str] | None, parallelism: int = 1) -> ClusterOptions:
@@ -60,6 +65,18 @@ def reference_path(value: str) -> str:
     return str(resolve(value, [str(Path.cwd()), str(Path(__file__).resolve().parent.parent)]).path)
 
 
+def check_isolation() -> int:
+    """0 when student code would run in a bwrap sandbox here, 1 otherwise (the level it would get is printed)."""
+    from grader.sandbox import isolation
+
+    works, why = isolation.bwrap_works()
+    level, note = isolation.choose("auto")
+    print(f"isolation: {level}" + (f" ({note})" if note else ""))
+    if not works:
+        print(f"bwrap: {why}")
+    return 0 if level == "bwrap" else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m grader", description=__doc__.split("\n\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
@@ -77,7 +94,13 @@ def main(argv: list[str] | None = None) -> int:
     all_parser.add_argument("--parallel", type=int, default=4, help="grading jobs running at once")
     add_common(all_parser)
 
+    commands.add_parser("check-isolation", help="say which sandbox student code would get on this machine, and why")
+
     args = parser.parse_args(argv)
+    if args.command == "check-isolation":
+        return check_isolation()
+    if args.isolation == "none" and not args.allow_unisolated:
+        parser.error("--isolation none lets student code read and rewrite results: add --allow-unisolated to insist")
     problem_ids, pytest_args = problem_selection(args.problems, args.select)
     reference = reference_path(args.reference)
     if args.command == "submit":
@@ -85,14 +108,15 @@ def main(argv: list[str] | None = None) -> int:
 
         result = submit(
             Path(args.impl), reference, options_from(args, problem_ids), Path(args.work_dir),
-            Path(args.results_json), args.profile, pytest_args, args.timeout_scale,
+            Path(args.results_json), args.profile, pytest_args, args.timeout_scale, args.isolation,
+            args.allow_unisolated,
         )
         return exit_status(result)
     from grader.cluster.grade_all import grade_all
 
     rows = grade_all(
         args.submissions, args.out, reference, options_from(args, problem_ids, args.parallel), args.profile,
-        pytest_args, args.timeout_scale,
+        pytest_args, args.timeout_scale, args.isolation, args.allow_unisolated,
     )
     return 0 if all(row["status"] == "graded" for row in rows) else 2
 

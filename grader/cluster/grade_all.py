@@ -63,7 +63,8 @@ def record(submission: Submission, graded_hash: str, result: Outcome, results_pa
 
 
 def grade(submissions: list[Submission], reference: str, options: ClusterOptions, out: Path, profile: str,
-          pytest_args: tuple[str, ...], timeout_scale: float, report) -> None:
+          pytest_args: tuple[str, ...], timeout_scale: float, isolation: str, allow_unisolated: bool,
+          report) -> None:
     """One array job over the submissions; node failures and preemptions are resubmitted, a bounded number of times."""
     for round_number in range(1 + options.max_resubmissions):
         if not submissions:
@@ -72,13 +73,11 @@ def grade(submissions: list[Submission], reference: str, options: ClusterOptions
         for submission in submissions:
             run_dir = new_folder(submission.out / "runs", "run")
             hashes.append(tree_hash(submission.source))
-            requests.append(GradingRequest(
-                impl=str(snapshot(submission.source, run_dir / submission.source.name)),
-                reference=reference,
-                results_json=str(run_dir / "results.json"),
-                profile=profile,
-                pytest_args=pytest_args,
-                timeout_scale=timeout_scale,
+            # Each job sees its own snapshot (read-only inside the sandbox) and writes only its own run folder.
+            requests.append(GradingRequest.in_folder(
+                run_dir, snapshot(submission.source, run_dir / submission.source.name), reference=reference,
+                profile=profile, pytest_args=pytest_args, timeout_scale=timeout_scale, isolation=isolation,
+                allow_unisolated=allow_unisolated,
             ))
         executor = make_executor(options, new_folder(out / ".jobs", "array"))
         jobs = executor.map_array(run_grading, requests)
@@ -87,7 +86,7 @@ def grade(submissions: list[Submission], reference: str, options: ClusterOptions
         wait(jobs, options, report=report)
         again = []
         for submission, job, request, graded_hash in zip(submissions, jobs, requests, hashes):
-            result = outcome(job, Path(request.results_json))
+            result = outcome(job, request)
             if result.resubmittable and round_number < options.max_resubmissions:
                 report(f"{submission.student}: {result.reason}: resubmitting")
                 again.append(submission)
@@ -143,12 +142,13 @@ def summary(rows: list[dict]) -> str:
 
 
 def grade_all(submissions_dir: Path, out: Path, reference: str, options: ClusterOptions, profile: str = "public",
-              pytest_args: tuple[str, ...] = (), timeout_scale: float = 1.0, report=print) -> list[dict]:
+              pytest_args: tuple[str, ...] = (), timeout_scale: float = 1.0, isolation: str = "auto",
+              allow_unisolated: bool = False, report=print) -> list[dict]:
     out.mkdir(parents=True, exist_ok=True)
     submissions = submissions_in(submissions_dir, out)
     stale = [s for s in submissions if not s.up_to_date()]
     report(f"{len(submissions)} submissions, {len(submissions) - len(stale)} already graded and unchanged")
-    grade(stale, reference, options, out, profile, pytest_args, timeout_scale, report)
+    grade(stale, reference, options, out, profile, pytest_args, timeout_scale, isolation, allow_unisolated, report)
     rows = write_class_csv(submissions, out)
     text = summary(rows)
     (out / "summary.txt").write_text(text + "\n")

@@ -1,15 +1,21 @@
 """What runs inside a grading job: `pytest grader` on a snapshot, its results file written where the caller reads it.
 
-The job's function returns only an exit code; verdicts travel in the results file, which the caller reads as JSON.
+The job's function returns pytest's exit status; verdicts travel in the results file, which the caller accepts only
+when that status is 0 or 1 and the file carries this run's signature (see grader.seal). The signing key is a file
+beside the snapshot, outside every sandbox; only its path is handed to the grader, which removes it from its
+environment before any student process starts.
 """
 
 from __future__ import annotations
 
 import os
+import secrets
 import subprocess
 import sys
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from grader import seal
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 
@@ -19,25 +25,40 @@ class GradingRequest:
     impl: str  # the snapshot directory
     reference: str
     results_json: str
+    key_file: str
+    nonce: str
     profile: str = "public"
     pytest_args: tuple[str, ...] = ()
     timeout_scale: float = 1.0
+    isolation: str = "auto"
+    allow_unisolated: bool = False
     environment: dict[str, str] = field(default_factory=dict)
+
+    @classmethod
+    def in_folder(cls, run_dir: Path, impl: Path, **settings) -> "GradingRequest":
+        """A request whose results and key live in `run_dir`, beside (never inside) the snapshot `impl`."""
+        key = seal.new_key(run_dir / "results.key")
+        return cls(impl=str(impl), results_json=str(run_dir / "results.json"), key_file=str(key),
+                   nonce=secrets.token_hex(16), **settings)
+
+    def key(self) -> bytes:
+        return Path(self.key_file).read_text().strip().encode()
 
     def command(self, launcher: str) -> list[str]:
         return [
             sys.executable, "-m", "pytest", "grader", "-p", "no:cacheprovider", "-p", "no:warnings", "-q",
             "--impl", self.impl, "--reference", self.reference, "--profile", self.profile,
-            "--results-json", self.results_json, "--launcher", launcher,
-            "--timeout-scale", str(self.timeout_scale), *self.pytest_args,
+            "--results-json", self.results_json, "--results-nonce", self.nonce, "--launcher", launcher,
+            "--timeout-scale", str(self.timeout_scale), "--isolation", self.isolation,
+            *(() if self.allow_unisolated else ("--refuse-unisolated",)), *self.pytest_args,
         ]  # fmt: skip
 
 
 def run_grading(request: GradingRequest) -> int:
-    """Grade one snapshot; inside a Slurm job the distributed problems' ranks are tasks of a job step."""
+    """Grade one snapshot; inside a Slurm job the distributed problems' ranks are started by a job step."""
     launcher = "srun" if "SLURM_JOB_ID" in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm" else "local"
     results = Path(request.results_json)
     results.unlink(missing_ok=True)  # only this run's results may be read back
-    env = {**os.environ, **request.environment}
+    env = {**os.environ, **request.environment, seal.KEY_FILE_VARIABLE: request.key_file}
     completed = subprocess.run(request.command(launcher), cwd=REPOSITORY, env=env, stdin=subprocess.DEVNULL)
     return completed.returncode

@@ -17,6 +17,8 @@ from pathlib import Path
 import submitit
 
 from assignment.registry import PROBLEMS
+from grader import seal
+from grader.cluster.grading_job import GradingRequest
 
 # Slurm's final states that say nothing about the student's code; submitit's local executor says INTERRUPTED.
 NOT_GRADED_REASONS = {
@@ -120,13 +122,33 @@ class Outcome:
         return not self.graded and self.state in RESUBMITTED_STATES
 
 
-def outcome(job: submitit.Job, results_path: Path) -> Outcome:
+GRADED_EXIT_STATUSES = (0, 1)  # pytest: every test passed, or some failed
+
+
+def exit_status_of(job: submitit.Job) -> int | None:
+    try:
+        return int(job.result())
+    except Exception:  # noqa: BLE001 - a job that failed, was cancelled or never ran has no status
+        return None
+
+
+def outcome(job: submitit.Job, request: GradingRequest) -> Outcome:
+    """Graded only with a results file that this run's grader signed and a grader that exited with 0 or 1."""
+    results_path = Path(request.results_json)
     state = state_of(job) if results_path.exists() else final_state(job)
     if results_path.exists():
+        status = exit_status_of(job)
+        if status not in GRADED_EXIT_STATUSES:
+            return Outcome(False, state, f"results failed verification: the grader exited with status "
+                                         f"{status} (see {job.paths.stdout})")
         try:
-            return Outcome(True, state, results=json.loads(results_path.read_text()))
-        except json.JSONDecodeError:
-            pass  # a job killed while writing: not graded
+            results = json.loads(results_path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return Outcome(False, state, "results failed verification: the results file is not JSON")
+        why = seal.verify(results, request.key(), request.nonce) if isinstance(results, dict) else "not an object"
+        if why is not None:
+            return Outcome(False, state, f"results failed verification: {why}")
+        return Outcome(True, state, results=results)
     reason = NOT_GRADED_REASONS.get(state)
     if reason is None:
         reason = f"the grading job ended ({state}) without results: the grader failed to start; see {job.paths.stdout}"

@@ -39,19 +39,18 @@ def submit(
     profile: str = "public",
     pytest_args: tuple[str, ...] = (),
     timeout_scale: float = 1.0,
+    isolation: str = "auto",
+    allow_unisolated: bool = False,
     report=print,
 ) -> Outcome:
     """Snapshot `impl`, grade it in a job (resubmitting after node failures or preemption), save its results."""
     attempt = Outcome(False, "NOT_SUBMITTED", "not submitted")
     for _ in range(1 + options.max_resubmissions):
         run_dir = new_folder(work_dir, impl.resolve().name)
-        request = GradingRequest(
-            impl=str(snapshot(impl, run_dir / impl.resolve().name)),
-            reference=reference,
-            results_json=str(run_dir / "results.json"),
-            profile=profile,
-            pytest_args=pytest_args,
-            timeout_scale=timeout_scale,
+        request = GradingRequest.in_folder(
+            run_dir, snapshot(impl, run_dir / impl.resolve().name), reference=reference, profile=profile,
+            pytest_args=pytest_args, timeout_scale=timeout_scale, isolation=isolation,
+            allow_unisolated=allow_unisolated,
         )
         executor = make_executor(options, run_dir / "submitit")
         job = executor.submit(run_grading, request)
@@ -64,7 +63,7 @@ def submit(
             report(f"cancelled job {job.job_id}")
             return Outcome(False, "CANCELLED", "cancelled from the keyboard: not graded")
         show()
-        attempt = outcome(job, Path(request.results_json))
+        attempt = outcome(job, request)
         if not attempt.resubmittable:
             break
         report(f"{attempt.reason}: resubmitting")
