@@ -30,3 +30,15 @@ class TiedMLP(torch.nn.Module):
         hidden = torch.tanh(self.first(x if self.input_scale is None else x * self.input_scale))
         hidden = torch.tanh(self.again(torch.tanh(self.middle(hidden))))
         return self.last(hidden if self.before_last is None else self.before_last(hidden))
+
+
+def tied_mlp_from_state(state: dict[str, torch.Tensor],
+                        before_last: Callable[[torch.Tensor], torch.Tensor] | None = None) -> TiedMLP:
+    """In a rank process: the TiedMLP whose widths, input-scale buffer (present or not), dtype and weights are those
+    of `state` (a plain_state of one), on the CPU."""
+    hidden, width = state["first.weight"].shape
+    outputs = state["last.weight"].shape[0]
+    model = TiedMLP(width, hidden, outputs, input_scale="input_scale" in state, before_last=before_last)
+    model = model.to(state["first.weight"].dtype)
+    model.load_state_dict(state)
+    return model

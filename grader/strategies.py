@@ -7,12 +7,15 @@ recipe for reproducing it.
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 from dataclasses import dataclass
 
 import torch
 from hypothesis import strategies as st
 
 from grader import profiles
+from grader.context import secret_seed
 from grader.profiles import SIZE_SCALE
 
 LAYOUTS = ("contiguous", "transposed", "sliced", "offset")
@@ -113,3 +116,19 @@ def _product(sizes) -> int:
     for size in sizes:
         result *= size
     return result
+
+
+def data_seeds() -> st.SearchStrategy[int]:
+    """Seeds of the data a parallel grader builds for its ranks. In the grading profile each drawn seed is keyed with
+    the secret seed, so that a rank, which sees only its own share of the data, cannot search the drawn seeds' small
+    space to rebuild its peers' shares; elsewhere the drawn seed is used as it is (public inputs are public anyway)."""
+    return st.integers(0, 2**20).map(keyed_seed)
+
+
+def keyed_seed(seed: int) -> int:
+    """HMAC-SHA256 of the drawn seed under the secret seed, 40 bits (so that seed arithmetic stays within int64)."""
+    if profiles.active() != "grading":
+        return seed
+    digest = hmac.new(str(secret_seed()).encode(), str(seed).encode(), hashlib.sha256).digest()
+    return int.from_bytes(digest[:5], "big")
+

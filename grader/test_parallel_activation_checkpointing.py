@@ -18,6 +18,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed.memory import MemoryProbe
 from grader.outcomes import WrongAnswer
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.activation_checkpointing"]
@@ -131,7 +132,7 @@ def cases(dropout: st.SearchStrategy[float], input_requires_grad: st.SearchStrat
         input_requires_grad=input_requires_grad,
         frozen=st.booleans(),
         second_output_used=st.booleans(),
-        seed=st.integers(0, 2**20),
+        seed=data_seeds(),
     )
 
 

@@ -1,11 +1,13 @@
 """Grading parallel.collectives: broadcast, scatter, gather, reduce, all_gather, reduce_scatter, all_reduce and
 all_to_all built from point-to-point messages.
 
-The program `run_cases` runs in each rank: it calls the student's collective, snapshots the recorded calls, and only
-then computes torch.distributed's own result for the same inputs (outside the recorded window). Here, in the grader's
-process, every rank's result must equal torch's exactly: float32 inputs are multiples of 1/8 below 64 in magnitude,
-so every order of summation is exact. Then the recorded calls must be point-to-point only, and the bytes each rank
-sent must stay within the collective's bound.
+Every rank's inputs are built here, in the grader's process, from each case's seed; each rank receives only its own
+(through rank_data: the tensor it contributes, scatter's pieces on the root only, its own all_to_all pieces), while
+the shared arguments describe the cases without their seeds. The program `run_cases` runs in each rank: it calls the
+student's collective and snapshots the recorded calls. Here every rank's result must equal what the grader computes
+from all ranks' inputs, exactly: float32 inputs are multiples of 1/8 below 64 in magnitude, so every order of
+summation is exact. Then the recorded calls must be point-to-point only, and the bytes each rank sent must stay within
+the collective's bound.
 """
 
 from __future__ import annotations
@@ -20,10 +22,11 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_equal
 from grader.distributed import recorder
+from grader.distributed.rank_data import without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
-from grader.strategies import dims
+from grader.strategies import data_seeds, dims
 
 PROBLEM = BY_ID["parallel.collectives"]
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
@@ -36,19 +39,23 @@ ROOTED = ("broadcast", "scatter", "gather", "reduce")
 # --- inside each rank -------------------------------------------------------------------------------------------
 
 
-def make_values(case: dict, rank: int, piece: int = 0, shape: tuple | None = None) -> torch.Tensor:
-    """Rank `rank`'s input (its piece for rank `piece`, for all_to_all), the same whichever rank builds it."""
-    generator = torch.Generator().manual_seed(case["seed"] * 4099 + rank * 64 + piece)
-    shape = tuple(case["shape"] if shape is None else shape)
-    if case["dtype"] == "int64":
-        return torch.randint(-2**40, 2**40, shape, generator=generator)
-    return (torch.randint(-511, 512, shape, generator=generator) / 8).float()
-
-
-def call_student(student, case: dict, rank: int, world_size: int, group, device) -> dict:
-    """The student's collective on this rank's inputs: what it left where the contract promises a result."""
+def call_student(student, case: dict, rank: int, world_size: int, group, device, held) -> dict:
+    """The student's collective on this rank's inputs `held` (its rank_data for the case): what it left where the
+    contract promises a result."""
     name, root, op = case["collective"], case.get("root", 0), OPS[case.get("op", "sum")]
-    mine = make_values(case, rank).to(device)
+    dtype = DTYPES[case["dtype"]]
+    if name == "scatter":
+        pieces = [piece.to(device, copy=True) for piece in held] if rank == root else None
+        tensor = torch.zeros(case["shape"], dtype=dtype, device=device)
+        student.scatter(tensor, pieces, src=root, group=group)
+        return {"result": tensor}
+    if name == "all_to_all":
+        sizes = case["split_sizes"]
+        inputs = [piece.to(device, copy=True) for piece in held]
+        outputs = [torch.zeros(sizes[j][rank], case["width"], dtype=dtype, device=device) for j in range(world_size)]
+        student.all_to_all(outputs, inputs, group=group)
+        return {"result": outputs}
+    mine = held.to(device, copy=True)
     if name in ("broadcast", "reduce", "all_reduce"):
         tensor = mine.clone()
         if name == "broadcast":
@@ -58,11 +65,6 @@ def call_student(student, case: dict, rank: int, world_size: int, group, device)
         else:
             student.all_reduce(tensor, op=op, group=group)
         return {"result": None if name == "reduce" and rank != root else tensor}
-    if name == "scatter":
-        pieces = [make_values(case, rank, i).to(device) for i in range(world_size)] if rank == root else None
-        tensor = torch.zeros_like(mine)
-        student.scatter(tensor, pieces, src=root, group=group)
-        return {"result": tensor}
     if name == "gather":
         pieces = [torch.zeros_like(mine) for _ in range(world_size)] if rank == root else None
         student.gather(mine, pieces, dst=root, group=group)
@@ -71,57 +73,15 @@ def call_student(student, case: dict, rank: int, world_size: int, group, device)
         pieces = [torch.zeros_like(mine) for _ in range(world_size)]
         student.all_gather(pieces, mine, group=group)
         return {"result": pieces}
-    if name == "reduce_scatter":
-        output = torch.zeros_like(mine.flatten().tensor_split(world_size)[rank])
-        student.reduce_scatter(output, mine, op=op, group=group)
-        return {"result": output, "input_unchanged": torch.equal(mine.cpu(), make_values(case, rank))}
-    sizes = case["split_sizes"]
-    inputs = [make_values(case, rank, j, (sizes[rank][j], case["width"])).to(device) for j in range(world_size)]
-    outputs = [torch.zeros(sizes[j][rank], case["width"], dtype=mine.dtype, device=device)
-               for j in range(world_size)]
-    student.all_to_all(outputs, inputs, group=group)
-    return {"result": outputs}
+    output = torch.zeros_like(mine.flatten().tensor_split(world_size)[rank])
+    student.reduce_scatter(output, mine, op=op, group=group)
+    return {"result": output, "input_unchanged": torch.equal(mine.cpu(), held)}
 
 
-def torch_result(case: dict, rank: int, world_size: int, group, device):
-    """torch.distributed's own collective on the same inputs, for comparison (never recorded against the student)."""
-    name, op = case["collective"], OPS[case.get("op", "sum")]
-    root = case.get("root", 0)
-    global_root = root if group is None else dist.get_global_rank(group, root)
-    mine = make_values(case, rank).to(device)
-    if name == "broadcast":
-        dist.broadcast(mine, src=global_root, group=group)
-        return mine
-    if name == "reduce":
-        dist.reduce(mine, dst=global_root, op=op, group=group)
-        return mine if rank == root else None
-    if name in ("all_reduce", "reduce_scatter"):
-        dist.all_reduce(mine, op=op, group=group)
-        return mine if name == "all_reduce" else mine.flatten().tensor_split(world_size)[rank]
-    if name == "scatter":
-        pieces = [make_values(case, rank, i).to(device) for i in range(world_size)] if rank == root else None
-        dist.scatter(mine, pieces, src=global_root, group=group)
-        return mine
-    if name in ("gather", "all_gather"):
-        pieces = [torch.zeros_like(mine) for _ in range(world_size)]
-        if name == "all_gather":
-            dist.all_gather(pieces, mine, group=group)
-            return pieces
-        dist.gather(mine, pieces if rank == root else None, dst=global_root, group=group)
-        return pieces if rank == root else None
-    sizes = case["split_sizes"]
-    inputs = [make_values(case, rank, j, (sizes[rank][j], case["width"])).to(device) for j in range(world_size)]
-    received = [sizes[j][rank] for j in range(world_size)]
-    # all_to_all_single: some torch versions' gloo lacks the list form.
-    output = torch.zeros(sum(received), case["width"], dtype=mine.dtype, device=device)
-    dist.all_to_all_single(output, torch.cat(inputs), output_split_sizes=received,
-                           input_split_sizes=sizes[rank], group=group)
-    return [piece.clone() for piece in output.split(received)]
-
-
-def run_cases(student, rank: int, world_size: int, cases: list[dict], subgroups: bool = False) -> list[dict]:
-    """Runs in a rank process. With `subgroups`, the ranks split into the groups [0, 2, ...] and [1, 3, ...] and
-    each case runs inside this rank's group, both groups at once."""
+def run_cases(student, rank: int, world_size: int, cases: list[dict], subgroups: bool = False, *,
+              rank_data: list) -> list[dict]:
+    """Runs in a rank process, with `rank_data` this rank's inputs of each case. With `subgroups`, the ranks split
+    into the groups [0, 2, ...] and [1, 3, ...] and each case runs inside this rank's group, both groups at once."""
     device = rank_device()
     group = None
     if subgroups:
@@ -129,17 +89,17 @@ def run_cases(student, rank: int, world_size: int, cases: list[dict], subgroups:
         group = halves[rank % 2]
     group_rank, group_size = dist.get_rank(group), dist.get_world_size(group)
     results = []
-    for case in cases:
+    for case, held in zip(cases, rank_data, strict=True):
         recorder.reset()
         try:
-            outcome = call_student(student, case, group_rank, group_size, group, device)
+            outcome = call_student(student, case, group_rank, group_size, group, device, held)
         except NotImplementedError:
             raise
         except Exception as error:  # noqa: BLE001 - reported with the case; the peers then fail in their messages
             results.append({"error": f"{type(error).__name__}: {error}"})
             return results  # stop: this rank's messages no longer match its peers'
         outcome["calls"] = [(c.op, c.sent, c.nested) for c in recorder.CALLS]
-        outcome["expected"] = torch_result(case, group_rank, group_size, group, device)
+        outcome["device"] = device.type
         results.append(outcome)
     return results
 
@@ -178,6 +138,68 @@ def run_invalid_calls(student, rank: int, world_size: int) -> list[tuple[str, li
 
 
 # --- in the grader's process --------------------------------------------------------------------------------------
+
+
+def make_values(case: dict, rank: int, piece: int = 0, shape: tuple | None = None) -> torch.Tensor:
+    """Rank `rank`'s input (its piece for rank `piece`, for scatter's root and all_to_all), from the case's seed."""
+    generator = torch.Generator().manual_seed(case["seed"] * 4099 + rank * 64 + piece)
+    shape = tuple(case["shape"] if shape is None else shape)
+    if case["dtype"] == "int64":
+        return torch.randint(-2**40, 2**40, shape, generator=generator)
+    return (torch.randint(-511, 512, shape, generator=generator) / 8).float()
+
+
+def rank_inputs(case: dict, rank: int, world_size: int):
+    """What (group) rank `rank` holds before the collective: the tensor it contributes; for scatter, the pieces on
+    the root and nothing elsewhere; for all_to_all, its piece for each rank."""
+    name = case["collective"]
+    if name == "scatter":
+        return [make_values(case, rank, i) for i in range(world_size)] if rank == case["root"] else None
+    if name == "all_to_all":
+        sizes = case["split_sizes"]
+        return [make_values(case, rank, j, (sizes[rank][j], case["width"])) for j in range(world_size)]
+    return make_values(case, rank)
+
+
+def launch(ranks, world_size: int, cases: list[dict], group_size: int, subgroups: bool = False) -> list[list[dict]]:
+    """Runs the cases on world_size ranks; global rank r is group rank r // (world_size // group_size) of its group
+    ([0, 2, ...] and [1, 3, ...] with subgroups) and receives that group rank's inputs only."""
+    groups = world_size // group_size
+    rank_data = [[rank_inputs(case, rank // groups, group_size) for case in cases] for rank in range(world_size)]
+    return ranks.run(run_cases, world_size, [without_seeds(case) for case in cases], subgroups, rank_data=rank_data)
+
+
+def expected_results(case: dict, world_size: int) -> list:
+    """Each rank's correct result from all ranks' inputs (None where the contract promises none): exact, since every
+    order of summation is."""
+    name, root, n = case["collective"], case.get("root", 0), world_size
+    held = [rank_inputs(case, rank, n) for rank in range(n)]
+    if name == "broadcast":
+        return [held[root]] * n
+    if name == "scatter":
+        return [held[root][rank] for rank in range(n)]
+    if name == "gather":
+        return [list(held) if rank == root else None for rank in range(n)]
+    if name == "all_gather":
+        return [list(held)] * n
+    if name == "all_to_all":
+        return [[held[j][rank] for j in range(n)] for rank in range(n)]
+    stacked = torch.stack(held)
+    total = stacked.sum(0) if case.get("op", "sum") == "sum" else stacked.amax(0)
+    if name == "reduce":
+        return [total if rank == root else None for rank in range(n)]
+    if name == "all_reduce":
+        return [total] * n
+    return [total.flatten().tensor_split(n)[rank] for rank in range(n)]
+
+
+def on_device(value, device_type: str):
+    """The expected value on the device the rank computed on (its results come back there)."""
+    if device_type != "cuda":
+        return value
+    if isinstance(value, list):
+        return [v.to(device_type) for v in value]
+    return None if value is None else value.to(device_type)
 
 
 def describe(case: dict, world_size: int) -> str:
@@ -257,9 +279,10 @@ def check_bytes(case: dict, world_size: int, sent: list[int], context: str) -> N
 
 
 def check_cases(cases: list[dict], results: list[list[dict]], world_size: int) -> None:
-    """Every rank's result of every case: point-to-point only, equal to torch's, then within the byte bounds."""
+    """Every rank's result of every case: point-to-point only, equal to the grader's, then within the byte bounds."""
     for index, case in enumerate(cases):
         context = describe(case, world_size)
+        expected = expected_results(case, world_size)
         name = case["collective"]
         outcomes = [per_rank[index] if index < len(per_rank) else {"error": "stopped after an earlier error"}
                     for per_rank in results]
@@ -269,7 +292,7 @@ def check_cases(cases: list[dict], results: list[list[dict]], world_size: int) -
         for rank, outcome in enumerate(outcomes):
             check_only_point_to_point(name, rank, outcome["calls"], context)
         for rank, outcome in enumerate(outcomes):
-            check_values(name, rank, outcome["result"], outcome["expected"], context)
+            check_values(name, rank, outcome["result"], on_device(expected[rank], outcome.get("device")), context)
             if outcome.get("input_unchanged") is False:
                 raise WrongAnswer(f"{name} changed its input on rank {rank}; leave it unchanged ({context})")
         sent = [sum(s for _, s, nested in o["calls"] if not nested) for o in outcomes]
@@ -284,7 +307,7 @@ shapes = st.one_of(st.tuples(dims(40)), st.tuples(dims(6), dims(9)))
 @st.composite
 def case_lists(draw, collective: str, world_size: int) -> list[dict]:
     """Cases of one launch: 1 element, fewer elements than ranks, and two drawn shapes, each in both dtypes."""
-    seed = draw(st.integers(0, 2**20))
+    seed = draw(data_seeds())
     drawn = [(1,), (max(world_size - 1, 1),), draw(shapes), draw(shapes)]
     cases = []
     for index, shape in enumerate(drawn):
@@ -305,7 +328,7 @@ def case_lists(draw, collective: str, world_size: int) -> list[dict]:
 
 def grade(ranks, collective: str, world_size: int, data) -> None:
     cases = data.draw(case_lists(collective, world_size), label="cases")
-    check_cases(cases, ranks.run(run_cases, world_size, cases), world_size)
+    check_cases(cases, launch(ranks, world_size, cases, world_size), world_size)
 
 
 @pytest.mark.parametrize("world_size", [4])
@@ -376,7 +399,7 @@ def test_process_groups(ranks, data):
     for case in cases:
         if "root" in case:
             case["root"] = 1
-    results = ranks.run(run_cases, world_size, cases, True)
+    results = launch(ranks, world_size, cases, group_size, subgroups=True)
     for members in ([0, 2], [1, 3]):
         try:
             check_cases(cases, [results[r] for r in members], group_size)

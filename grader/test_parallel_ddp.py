@@ -1,7 +1,9 @@
 """Grading parallel.ddp: data parallelism with gradient all-reduces issued from hooks during backward.
 
 The program `train_on_rank` runs inside each rank process with the student's module; everything it returns is
-compared here, in the grader's process, against single-process training on the full batch.
+compared here, in the grader's process, against single-process training on the full batch. Each rank's shard of the
+batch and its initial weights are built here and reach that rank alone (`rank_data`); the arguments every rank sees
+hold only shapes, so no rank can rebuild another's data or weights without communicating.
 """
 
 from __future__ import annotations
@@ -13,8 +15,10 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank_data import plain_state, row_shards
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.ddp"]
@@ -60,14 +64,34 @@ def unique_parameters(model: torch.nn.Module) -> list[torch.Tensor]:
     return list(model.parameters())  # parameters() yields a tied Parameter once
 
 
-def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
-    """Runs in a rank process: the student's DDP on this rank's shard, every step recorded."""
-    device = rank_device()
-    # Each rank starts from different weights: only the broadcast at construction can make them agree.
-    model = make_model(config["seed"] + 7919 * rank, config["width"], config["variant"]).to(device)
+def shapes(config: dict) -> dict:
+    """What every rank is told: the model's structure, nothing its data or weights could be rebuilt from."""
+    return {"width": config["width"], "variant": config["variant"]}
+
+
+def rank_inputs(config: dict, world_size: int) -> list[dict]:
+    """Built in the grader's process: rank r's own shard of the batch and its own initial weights, as plain tensors.
+    Each rank starts from different weights: only the broadcast at construction can make them agree. Every tensor is
+    cloned, so none carries a storage that also holds another rank's rows."""
     x, y = make_batch(config["seed"], config["rows_per_rank"] * world_size, config["width"])
-    rows = slice(rank * config["rows_per_rank"], (rank + 1) * config["rows_per_rank"])
-    x_shard, y_shard = x[rows].to(device), y[rows].to(device)
+    states = [plain_state(make_model(config["seed"] + 7919 * rank, config["width"], config["variant"]))
+              for rank in range(world_size)]
+    return row_shards(x, y, config["rows_per_rank"], states)
+
+
+def run_training(ranks, world_size: int, config: dict) -> list[dict]:
+    """The student's DDP trained on `world_size` ranks, each given only its own inputs."""
+    return ranks.run(train_on_rank, world_size, shapes(config), rank_data=rank_inputs(config, world_size))
+
+
+def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: dict) -> dict:
+    """Runs in a rank process: the student's DDP on this rank's shard, every step recorded. `rank_data` (this rank's
+    alone) holds its shard "x", "y" and its initial weights "state"; `shape` only the model's structure."""
+    device = rank_device()
+    model = ProbeNet(shape["width"], shape["variant"])
+    model.load_state_dict(rank_data["state"])
+    model = model.to(device)
+    x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     ddp = student.DDP(model)
     after_construction = [p.detach().cpu().clone() for p in unique_parameters(model)]
     buffers = [b.detach().cpu().clone() for b in model.buffers()]
@@ -115,7 +139,7 @@ def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> d
 
 
 configs = st.fixed_dictionaries(
-    {"seed": st.integers(0, 2**20), "width": st.integers(3, 17), "rows_per_rank": st.integers(1, 5)}
+    {"seed": data_seeds(), "width": st.integers(3, 17), "rows_per_rank": st.integers(1, 5)}
 )
 
 
@@ -145,7 +169,7 @@ def check_training(results: list[dict], config: dict, world_size: int) -> None:
 @given(config=configs)
 def test_broadcast_at_construction(ranks, world_size, config):
     config = {**config, "variant": "plain"}
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     expected = make_model(config["seed"], config["width"], "plain")
     for rank, result in enumerate(results):
         for index, (got, want) in enumerate(zip(result["after_construction"], unique_parameters(expected))):
@@ -162,7 +186,7 @@ def test_broadcast_at_construction(ranks, world_size, config):
 @given(config=configs)
 def test_matches_single_process(ranks, world_size, config):
     config = {**config, "variant": "plain"}
-    check_training(ranks.run(train_on_rank, world_size, config), config, world_size)
+    check_training(run_training(ranks, world_size, config), config, world_size)
 
 
 def all_reduces_per_step(result: dict) -> list[list[tuple]]:
@@ -174,7 +198,7 @@ def all_reduces_per_step(result: dict) -> list[list[tuple]]:
 @given(config=configs)
 def test_frozen_parameter(ranks, world_size, config):
     config = {**config, "variant": "frozen"}
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     check_training(results, config, world_size)
     frozen = [i for i, p in enumerate(unique_parameters(make_model(0, 3, "frozen"))) if not p.requires_grad]
     trainable = len(unique_parameters(make_model(0, 3, "frozen"))) - len(frozen)
@@ -193,7 +217,7 @@ def test_frozen_parameter(ranks, world_size, config):
 @given(config=configs)
 def test_tied_weights(ranks, world_size, config):
     config = {**config, "variant": "tied"}
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     check_training(results, config, world_size)
     unique = len(unique_parameters(make_model(0, 3, "tied")))
     for rank, result in enumerate(results):
@@ -208,7 +232,7 @@ def test_tied_weights(ranks, world_size, config):
 @given(config=configs)
 def test_overlaps_backward(ranks, world_size, config):
     config = {**config, "variant": "plain"}
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     parameters = len(unique_parameters(make_model(0, 3, "plain")))
     for rank, result in enumerate(results):
         for step, calls in enumerate(all_reduces_per_step(result), start=1):

@@ -2,7 +2,9 @@
 
 The program `train_on_rank` runs inside each rank process with the student's module; everything it returns is
 compared here, in the grader's process, against single-process training on the full batch and against the bucket
-partition the contract pins, computed here from the model.
+partition the contract pins, computed here from the model. Each rank's shard of the batch and its initial weights are
+built here and reach that rank alone (`rank_data`); the arguments every rank sees hold only shapes and the bucket
+limit, so no rank can rebuild another's data or weights without communicating.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank_data import plain_state, row_shards
 from grader.distributed.rank import rank_device
 from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
 from grader.parallel_models import TiedMLP
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.ddp_bucketed"]
@@ -51,9 +55,13 @@ PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias",
 LAST_LAYER = {"last.weight", "last.bias"}
 
 
+def build_model(config: dict) -> TiedMLP:
+    return TiedMLP(config["width"], config["hidden"], config["outputs"], before_last=MarkBackward.apply)
+
+
 def make_model(seed: int, config: dict, dtype: torch.dtype = torch.float32) -> TiedMLP:
     torch.manual_seed(seed)
-    return TiedMLP(config["width"], config["hidden"], config["outputs"], before_last=MarkBackward.apply).to(dtype)
+    return build_model(config).to(dtype)
 
 
 def make_batch(config: dict, world_size: int, dtype: torch.dtype = torch.float32):
@@ -86,15 +94,36 @@ def bucket_bytes(config: dict, bucket: list[str]) -> int:
     return sum(sizes[name] for name in bucket)
 
 
-def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
-    """Runs in a rank process: the student's BucketedDDP on this rank's shard, every step recorded."""
-    device = rank_device()
-    # Each rank starts from different weights: only the broadcast at construction can make them agree.
-    model = make_model(config["seed"] + 7919 * rank, config).to(device)
+def shapes(config: dict) -> dict:
+    """What every rank is told: the model's structure and the bucket limit, nothing its data or weights could be
+    rebuilt from."""
+    return {name: config[name] for name in ("width", "hidden", "outputs", "bucket_size_mb")}
+
+
+def rank_inputs(config: dict, world_size: int) -> list[dict]:
+    """Built in the grader's process: rank r's own shard of the batch and its own initial weights, as plain tensors.
+    Each rank starts from different weights: only the broadcast at construction can make them agree. Every tensor is
+    cloned, so none carries a storage that also holds another rank's rows."""
     x, y = make_batch(config, world_size)
-    rows = slice(rank * config["rows_per_rank"], (rank + 1) * config["rows_per_rank"])
-    x_shard, y_shard = x[rows].to(device), y[rows].to(device)
-    ddp = student.BucketedDDP(model, config["bucket_size_mb"])
+    states = [plain_state(make_model(config["seed"] + 7919 * rank, config)) for rank in range(world_size)]
+    return row_shards(x, y, config["rows_per_rank"], states)
+
+
+def run_training(ranks, world_size: int, config: dict) -> list[dict]:
+    """The student's BucketedDDP trained on `world_size` ranks, each given only its own inputs."""
+    return ranks.run(train_on_rank, world_size, shapes(config), rank_data=rank_inputs(config, world_size))
+
+
+def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: dict) -> dict:
+    """Runs in a rank process: the student's BucketedDDP on this rank's shard, every step recorded. `rank_data` (this
+    rank's alone) holds its shard "x", "y" and its initial weights "state"; `shape` only the model's structure and the
+    bucket limit."""
+    device = rank_device()
+    model = build_model(shape)
+    model.load_state_dict(rank_data["state"])
+    model = model.to(device)
+    x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
+    ddp = student.BucketedDDP(model, shape["bucket_size_mb"])
     optimizer = torch.optim.SGD(
         [p for p in model.parameters() if p.requires_grad], lr=LEARNING_RATE, momentum=MOMENTUM
     )
@@ -140,7 +169,7 @@ def configs(draw, last_layer_buckets: bool = False) -> dict:
     """Sizes and a bucket limit drawn in bytes (so the partition's edges are hit exactly), given in MB.
     With `last_layer_buckets`, the limit is at most the last layer's size, so at least one bucket holds only it."""
     config = {
-        "seed": draw(st.integers(0, 2**20)),
+        "seed": draw(data_seeds()),
         "width": draw(st.integers(3, 17)),
         "hidden": draw(st.integers(3, 17)),
         "outputs": draw(st.integers(1, 4)),
@@ -180,7 +209,7 @@ def all_reduces(calls: list[tuple]) -> list[tuple]:
 @examples(PROBLEM, shrink=False)
 @given(config=configs())
 def test_matches_single_process(ranks, world_size, config):
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     exact = train_single_process(config, world_size, torch.float64)
     at_fp32 = train_single_process(config, world_size, torch.float32)
     for rank, result in enumerate(results):
@@ -195,7 +224,7 @@ def test_matches_single_process(ranks, world_size, config):
 @examples(PROBLEM, shrink=False)
 @given(config=configs())
 def test_bucket_partition(ranks, world_size, config):
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     buckets = expected_buckets(config)
     expected = sorted(bucket_bytes(config, bucket) for bucket in buckets)
     layout = "; ".join(f"[{', '.join(bucket)}] {bucket_bytes(config, bucket)} B" for bucket in buckets)
@@ -218,7 +247,7 @@ def test_bucket_partition(ranks, world_size, config):
 @examples(PROBLEM, shrink=False)
 @given(config=configs(last_layer_buckets=True))
 def test_overlaps_backward(ranks, world_size, config):
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     buckets = expected_buckets(config)
     ready_early = sum(set(bucket) <= LAST_LAYER for bucket in buckets)
     for rank, result in enumerate(results):

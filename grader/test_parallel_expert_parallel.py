@@ -1,10 +1,11 @@
 """Grading parallel.expert_parallel: an MoE layer whose experts are split over ranks, tokens moved by all_to_all.
 
-Every case is generated from a seed in both processes: all tokens, their routing (expert indices and gates, given,
-so the test isolates dispatch and combine), all expert weights and an upstream gradient. The program `moe_on_rank`
-gives each rank its own tokens and its own experts' weights, runs the student's layer forward and backward, and
-returns outputs, gradients and the collectives it issued; here they are compared with one process running the
-whole layer over all tokens with all experts.
+Every case is generated here, in the grader's process, from a seed: all tokens, their routing (expert indices and
+gates, given, so the test isolates dispatch and combine), all expert weights and an upstream gradient. Each rank
+receives only its own part (through rank_data): its tokens, their routing and upstream gradient, and its own experts'
+weights; the shared config (without its seed) gives only the sizes. The program `moe_on_rank` runs the student's
+layer forward and backward on them, and returns outputs, gradients and the collectives it issued; here they are
+compared with one process running the whole layer over all tokens with all experts.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from grader.compare import assert_close
 from grader.distributed import recorder
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.expert_parallel"]
@@ -59,21 +61,20 @@ def expert_rows(config: dict, rank: int) -> slice:
     return slice(rank * per_rank, (rank + 1) * per_rank)
 
 
-def moe_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
-    """Runs in a rank process: the student's layer on this rank's tokens and experts, forward and backward."""
+def moe_on_rank(student, rank: int, world_size: int, config: dict, *, rank_data: dict) -> dict:
+    """Runs in a rank process: the student's layer on this rank's tokens and experts (rank_data: this rank's part of
+    make_case), forward and backward."""
     device = rank_device()
-    case = make_case(config, world_size, torch.float32)
-    mine, experts = token_rows(config, rank), expert_rows(config, rank)
-    x_TD = case["x_TD"][mine].to(device).requires_grad_()
-    gate_TK = case["gate_TK"][mine].to(device).requires_grad_()
-    w_in_EDH = case["w_in_EDH"][experts].to(device).requires_grad_()
-    w_out_EHD = case["w_out_EHD"][experts].to(device).requires_grad_()
+    x_TD = rank_data["x_TD"].to(device).requires_grad_()
+    gate_TK = rank_data["gate_TK"].to(device).requires_grad_()
+    w_in_EDH = rank_data["w_in_EDH"].to(device).requires_grad_()
+    w_out_EHD = rank_data["w_out_EHD"].to(device).requires_grad_()
     recorder.reset()
     with recorder.phase("forward"):
-        y_TD = student.expert_parallel_moe(x_TD, case["expert_index_TK"][mine].to(device), gate_TK, w_in_EDH,
+        y_TD = student.expert_parallel_moe(x_TD, rank_data["expert_index_TK"].to(device), gate_TK, w_in_EDH,
                                            w_out_EHD, config["experts_per_rank"] * world_size)
     with recorder.phase("backward"):
-        y_TD.backward(case["grad_y_TD"][mine].to(device))
+        y_TD.backward(rank_data["grad_y_TD"].to(device))
 
     def fetched(t):
         return None if t is None else t.detach().cpu().clone()
@@ -83,6 +84,24 @@ def moe_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
         "grads": [fetched(t.grad) for t in (x_TD, gate_TK, w_in_EDH, w_out_EHD)],
         "calls": [(c.op, c.bytes, c.phase) for c in recorder.CALLS if not getattr(c, "nested", False)],
     }
+
+
+TOKEN_FIELDS = ("x_TD", "expert_index_TK", "gate_TK", "grad_y_TD")
+EXPERT_FIELDS = ("w_in_EDH", "w_out_EHD")
+
+
+def run_on_ranks(ranks, world_size: int, config: dict) -> list[dict]:
+    """Each rank's results, each rank given only its own tokens (with their routing and upstream gradient) and its
+    own experts' weights; all ranks share only the config without its seed."""
+    case = make_case(config, world_size, torch.float32)
+    # Cloned: a slice saved whole would carry its base tensor's storage, every rank's rows, along with it.
+    rank_data = [
+        {**{name: case[name][token_rows(config, rank)].clone() for name in TOKEN_FIELDS},
+         **{name: case[name][expert_rows(config, rank)].clone() for name in EXPERT_FIELDS}}
+        for rank in range(world_size)
+    ]
+    public = {key: value for key, value in config.items() if key != "seed"}
+    return ranks.run(moe_on_rank, world_size, public, rank_data=rank_data)
 
 
 def single_rank(config: dict, world_size: int, dtype: torch.dtype, reference) -> dict:
@@ -138,7 +157,7 @@ def configs(draw, world_size: int, tokens=None, widths=None, k=None, skewed: boo
         tokens_per_rank = [count + rank for rank, count in enumerate(drawn_tokens)]
         allowed = set(range(experts))
     return {
-        "seed": draw(st.integers(0, 2**20)),
+        "seed": draw(data_seeds()),
         "tokens": tokens_per_rank,
         "width": draw(st.integers(3, 6) | st.integers(1, 2) if widths is None else widths),
         "hidden": draw(st.integers(2, 5) | st.just(1)),
@@ -153,7 +172,7 @@ def configs(draw, world_size: int, tokens=None, widths=None, k=None, skewed: boo
 @given(data=st.data())
 def test_matches_single_rank(ranks, reference, world_size, data):
     config = data.draw(configs(world_size))
-    check_against_single_rank(ranks.run(moe_on_rank, world_size, config), config, world_size, reference)
+    check_against_single_rank(run_on_ranks(ranks, world_size, config), config, world_size, reference)
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -162,7 +181,7 @@ def test_matches_single_rank(ranks, reference, world_size, data):
 def test_uneven_and_empty_experts(ranks, reference, world_size, data):
     # Ranks may hold no tokens; only a few experts receive any.
     config = data.draw(configs(world_size, tokens=st.integers(0, 9), skewed=True))
-    check_against_single_rank(ranks.run(moe_on_rank, world_size, config), config, world_size, reference)
+    check_against_single_rank(run_on_ranks(ranks, world_size, config), config, world_size, reference)
 
 
 def minimum_rows_received(config: dict, world_size: int, rank: int) -> int:
@@ -179,7 +198,7 @@ def minimum_rows_received(config: dict, world_size: int, rank: int) -> int:
 def test_uses_all_to_all(ranks, world_size, data):
     # Wide rows and k = 1: token payload dominates the counts, and gathering all tokens costs more than routing.
     config = data.draw(configs(world_size, tokens=st.integers(8, 16), widths=st.integers(32, 48), k=1))
-    results = ranks.run(moe_on_rank, world_size, config)
+    results = run_on_ranks(ranks, world_size, config)
     for rank, result in enumerate(results):
         payload = minimum_rows_received(config, world_size, rank) * config["width"] * 4
         allowed = PAYLOAD_SLACK * payload + COUNTS_ALLOWANCE_BYTES + 16 * world_size * config["experts_per_rank"] \

@@ -1,9 +1,12 @@
 """Grading parallel.pipeline: a layer sequence split into stages, trained on micro-batches with GPipe and 1F1B.
 
-The program `train_stage_on_rank` runs inside each rank process: it builds the whole model from a seed, keeps the
-stage's layers, and records from hooks on the stage module the order of its forward calls ("F") and of the backward
-passes through its outputs ("B"). Gradients, losses and weights come back and are compared here with one process
-training the whole model on the full batch; the recorded orders are compared with the pinned schedules.
+The whole model and the batch are built here, in the grader's process, from the config's seed; each rank receives
+only what its stage holds (through rank_data): its own layers' initial weights, the micro-batch inputs on the first
+stage and the targets on the last. The shared config (without its seed) gives only the shapes and the schedule. The
+program `train_stage_on_rank` runs inside each rank process: it builds its stage from those weights and records from
+hooks on the stage module the order of its forward calls ("F") and of the backward passes through its outputs
+("B"). Gradients, losses and weights come back and are compared here with one process training the whole model on
+the full batch; the recorded orders are compared with the pinned schedules.
 """
 
 from __future__ import annotations
@@ -14,8 +17,10 @@ from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_raises
+from grader.distributed.rank_data import without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.pipeline"]
@@ -71,16 +76,28 @@ class RecordBackward(torch.autograd.Function):
         return grad, None
 
 
-def train_stage_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
-    """Runs in a rank process: STEPS optimizer steps of this rank's stage, with its event order per step."""
+def build_stage(config: dict, first: int, last: int, parameters: list[torch.Tensor]) -> torch.nn.Sequential:
+    """Layers first..last-1 of the model, as make_layers builds them, holding the given initial parameters."""
+    widths = config["widths"]
+    layers = [Layer(widths[i], widths[i + 1], i + 2 < len(widths)) for i in range(first, last)]
+    with torch.no_grad():
+        for parameter, value in zip(layer_parameters(layers), parameters, strict=True):
+            parameter.copy_(value)
+    if first == 0:
+        layers[0].linear.bias.requires_grad_(False)  # the model's frozen parameter, as in make_layers
+    return torch.nn.Sequential(*layers)
+
+
+def train_stage_on_rank(student, rank: int, world_size: int, config: dict, *, rank_data: dict) -> dict:
+    """Runs in a rank process: STEPS optimizer steps of this rank's stage, with its event order per step. rank_data
+    holds the stage's initial parameters, and the batch's inputs x (first stage) or targets y (last stage)."""
     device = rank_device()
-    layers = make_layers(config)
     first, last = config["bounds"][rank], config["bounds"][rank + 1]
-    stage = torch.nn.Sequential(*layers[first:last]).to(device)
+    stage = build_stage(config, first, last, rank_data["parameters"]).to(device)
     events: list[str] = []
     stage.register_forward_pre_hook(lambda module, args: events.append("F"))
     stage.register_forward_hook(lambda module, args, output: RecordBackward.apply(output, events))
-    x, y = make_batch(config)
+    x, y = rank_data["x"], rank_data["y"]
     micro_rows = config["rows_per_micro_batch"]
     input_shape = (micro_rows, config["widths"][first])
     optimizer = torch.optim.SGD([p for p in stage.parameters() if p.requires_grad], lr=LEARNING_RATE,
@@ -116,6 +133,23 @@ def train_single_process(config: dict, dtype: torch.dtype, reference) -> dict:
     return {"grads": grads, "losses": losses, "final": [p.detach().clone() for p in layer_parameters(layers)]}
 
 
+def run_stages(ranks, world_size: int, config: dict) -> list[dict]:
+    """Each stage's results, each rank given only its own layers' weights, the inputs on the first stage and the
+    targets on the last."""
+    layers = make_layers(config)
+    x, y = make_batch(config)
+    bounds = config["bounds"]
+    rank_data = [
+        {
+            "parameters": [p.detach().clone() for p in layer_parameters(layers[bounds[rank]:bounds[rank + 1]])],
+            "x": x if rank == 0 else None,
+            "y": y if rank == world_size - 1 else None,
+        }
+        for rank in range(world_size)
+    ]
+    return ranks.run(train_stage_on_rank, world_size, without_seeds(config), rank_data=rank_data)
+
+
 def expected_order(schedule: str, stages: int, stage: int, micro_batches: int) -> list[str]:
     if schedule == "gpipe":
         return ["F"] * micro_batches + ["B"] * micro_batches
@@ -142,7 +176,7 @@ def configs(draw, world_size: int, schedule: str, micro_batches=None) -> dict:
     cuts = sorted(draw(st.lists(st.integers(1, layers - 1), min_size=world_size - 1, max_size=world_size - 1,
                                 unique=True)))
     return {
-        "seed": draw(st.integers(0, 2**20)),
+        "seed": draw(data_seeds()),
         "widths": draw(st.lists(st.integers(2, 7) | st.just(1), min_size=layers + 1, max_size=layers + 1)),
         "bounds": [0, *cuts, layers],
         "micro_batches": draw(st.integers(3, 5) | st.integers(1, 2) if micro_batches is None else micro_batches),
@@ -224,7 +258,7 @@ def test_bubble_fraction(student, stages, micro_batches):
 @given(data=st.data())
 def test_gpipe_matches_single_process(ranks, reference, world_size, data):
     config = data.draw(configs(world_size, "gpipe"))
-    check_training(ranks.run(train_stage_on_rank, world_size, config), config, world_size, reference)
+    check_training(run_stages(ranks, world_size, config), config, world_size, reference)
 
 
 @pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
@@ -232,7 +266,7 @@ def test_gpipe_matches_single_process(ranks, reference, world_size, data):
 @given(data=st.data())
 def test_one_f_one_b_matches_single_process(ranks, reference, world_size, data):
     config = data.draw(configs(world_size, "1f1b"))
-    check_training(ranks.run(train_stage_on_rank, world_size, config), config, world_size, reference)
+    check_training(run_stages(ranks, world_size, config), config, world_size, reference)
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -240,7 +274,7 @@ def test_one_f_one_b_matches_single_process(ranks, reference, world_size, data):
 @given(data=st.data())
 def test_gpipe_order(ranks, world_size, data):
     config = data.draw(configs(world_size, "gpipe", micro_batches=st.integers(2, 6)))
-    check_orders(ranks.run(train_stage_on_rank, world_size, config), config, world_size)
+    check_orders(run_stages(ranks, world_size, config), config, world_size)
 
 
 @pytest.mark.parametrize("world_size", [4])
@@ -249,4 +283,4 @@ def test_gpipe_order(ranks, world_size, data):
 def test_one_f_one_b_order(ranks, world_size, data):
     # m >= p: every stage goes through warm-up, steady state and cool-down.
     config = data.draw(configs(world_size, "1f1b", micro_batches=st.integers(world_size, 2 * world_size + 1)))
-    check_orders(ranks.run(train_stage_on_rank, world_size, config), config, world_size)
+    check_orders(run_stages(ranks, world_size, config), config, world_size)

@@ -1,11 +1,16 @@
 """Grading parallel.sequence_parallel: all-gather / reduce-scatter along the sequence and a sequence-parallel MLP block.
 
 Rank programs run inside each rank process. `run_collectives` checks the two sequence collectives exactly, on
-integer-valued tensors whose sums are exact in float32. `run_block` builds the student's block from full weights every
-rank draws alike, runs a few forward/backward/SGD steps on the rank's tokens, and returns outputs, gradients and the
-collectives of each phase. Here the single-rank block (the reference's `mlp_block_torch`) runs the same steps on the
-full sequence in float64 (expected) and float32 (calibration), and each rank is compared with its slice. The tolerance's
-floor is relative to the largest value of the step (see floor_ulps).
+integer-valued tensors whose sums are exact in float32. `run_block` builds the student's block from the full weights,
+runs a few forward/backward/SGD steps on the rank's tokens, and returns outputs, gradients and the collectives of each
+phase. Here the single-rank block (the reference's `mlp_block_torch`) runs the same steps on the full sequence in
+float64 (expected) and float32 (calibration), and each rank is compared with its slice. The tolerance's floor is
+relative to the largest value of the step (see floor_ulps).
+
+Each rank's inputs are built here and reach that rank alone (`rank_data`): its own tensors for the collectives; for
+the block the full weights (every rank holds them: the constructor shards them), the dropout seeds (drawn apart from
+the inputs' seed) and only the rank's own tokens of the input and of the upstream gradient. The arguments every rank
+sees hold only shapes, so no rank can rebuild another rank's tokens without communicating.
 """
 
 from __future__ import annotations
@@ -17,8 +22,10 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_equal
 from grader.distributed import recorder
+from grader.distributed.rank_data import without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.sequence_parallel"]
@@ -74,9 +81,10 @@ def collective_tensors(case: dict, rank: int) -> dict[str, torch.Tensor]:
     }
 
 
-def run_collectives(student, rank: int, world_size: int, case: dict) -> dict:
+def run_collectives(student, rank: int, world_size: int, rank_data: dict) -> dict:
+    """Runs in a rank process; `rank_data` (this rank's alone) is its collective_tensors."""
     device = rank_device()
-    tensors = {k: v.to(device) for k, v in collective_tensors(case, rank).items()}
+    tensors = {k: v.to(device) for k, v in rank_data.items()}
     results = {}
     for name, function in (("gather", student.gather_sequence), ("scatter", student.reduce_scatter_sequence)):
         x = tensors[f"{name}_input"].clone().requires_grad_(True)
@@ -125,7 +133,7 @@ def describe_calls(calls: list[tuple[str, int]]) -> str:
 def collective_cases(world_size: int) -> st.SearchStrategy[dict]:
     # The simplest draw (the only one under a budget of 1) has several sequences, tokens and features per rank.
     return st.fixed_dictionaries({
-        "world_size": st.just(world_size), "seed": st.integers(0, 2**20), "batch": st.integers(2, 3),
+        "world_size": st.just(world_size), "seed": data_seeds(), "batch": st.integers(2, 3),
         "tokens_per_rank": st.integers(2, 4), "width": st.integers(3, 6),
     })
 
@@ -136,7 +144,8 @@ def collective_cases(world_size: int) -> st.SearchStrategy[dict]:
 def test_gather_and_reduce_scatter(ranks, world_size, data):
     case = data.draw(collective_cases(world_size))
     names = {"gather": "gather_sequence", "scatter": "reduce_scatter_sequence"}
-    for rank, result in enumerate(ranks.run(run_collectives, world_size, case)):
+    own = [collective_tensors(case, rank) for rank in range(world_size)]
+    for rank, result in enumerate(ranks.run(run_collectives, world_size, rank_data=own)):
         expected = expected_collectives(case, rank)
         calls = expected_collective_calls(case)
         for name, function in names.items():
@@ -176,29 +185,63 @@ def full_block(case: dict, dtype: torch.dtype = torch.float32):
 
 
 def step_tensors(case: dict, step: int) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """The full input x, the upstream gradient of the full output and the dropout seed at `step` (float64)."""
+    """The full input x, the upstream gradient of the full output and the dropout seed at `step` (float64). The
+    dropout seed is drawn apart from the inputs' seed: every rank is given it, and it must not reveal the tokens of
+    the other ranks."""
     generator = torch.Generator().manual_seed(case["seed"] * 31 + step)
     shape = (case["batch"], case["tokens_per_rank"] * case["world_size"], case["width"])
     x = torch.randn(shape, generator=generator, dtype=torch.float64)
     upstream = torch.randn(shape, generator=generator, dtype=torch.float64)
-    return x, upstream, case["seed"] + 1000 * step
+    return x, upstream, case["dropout_seed"] + 1000 * step
 
 
-def run_block(student, rank: int, world_size: int, case: dict) -> dict:
+def rank_inputs(case: dict) -> list[dict]:
+    """Built in the grader's process: what rank r holds, as plain CPU tensors. Every rank holds the full weights and
+    the dropout seeds; of the input and the upstream gradient only its own tokens, cloned so that no tensor carries a
+    storage that also holds another rank's tokens."""
+    world_size = case["world_size"]
+    modules = dict(zip(("norm", "fc1", "fc2"), full_block(case)))
+    weights = {name: {"weight": module.weight.detach().clone(),
+                      "bias": None if module.bias is None else module.bias.detach().clone()}
+               for name, module in modules.items()}
+    steps = [step_tensors(case, step) for step in range(case["steps"])]
+    return [{"weights": weights,
+             "steps": [{"x": sequence_shard(x, rank, world_size).clone(),
+                        "upstream": sequence_shard(upstream, rank, world_size).clone(), "seed": seed}
+                       for x, upstream, seed in steps]}
+            for rank in range(world_size)]
+
+
+def block_from(case: dict, weights: dict):
+    """The float32 norm, fc1 and fc2 on the CPU holding exactly the given weights and biases."""
+    norm = torch.nn.LayerNorm(weights["norm"]["weight"].shape[0], eps=case["eps"])
+    fc1, fc2 = (torch.nn.Linear(weights[name]["weight"].shape[1], weights[name]["weight"].shape[0],
+                                bias=weights[name]["bias"] is not None) for name in ("fc1", "fc2"))
+    with torch.no_grad():
+        for name, module in (("norm", norm), ("fc1", fc1), ("fc2", fc2)):
+            module.weight.copy_(weights[name]["weight"])
+            if weights[name]["bias"] is not None:
+                module.bias.copy_(weights[name]["bias"])
+    return norm, fc1, fc2
+
+
+def run_block(student, rank: int, world_size: int, case: dict, rank_data: dict) -> dict:
+    """Runs in a rank process. `case` (seen by every rank) holds only shapes; `rank_data` (this rank's alone) the full
+    weights and, per step, this rank's tokens of the input and of the upstream gradient and the dropout seed."""
     device = rank_device()
-    norm, fc1, fc2 = (m.to(device) for m in full_block(case))
+    norm, fc1, fc2 = (m.to(device) for m in block_from(case, rank_data["weights"]))
     block = student.SequenceParallelMLPBlock(norm, fc1, fc2, case["dropout_p"])
     parameters = dict(block.named_parameters())
     optimizer = torch.optim.SGD(list(parameters.values()), lr=LEARNING_RATE)
     steps = []
-    for step in range(case["steps"]):
-        x, upstream, seed = step_tensors(case, step)
-        x = sequence_shard(x, rank, world_size).to(device, torch.float32).requires_grad_(True)
+    for inputs in rank_data["steps"]:
+        x, upstream, seed = inputs["x"], inputs["upstream"], inputs["seed"]
+        x = x.to(device, torch.float32).requires_grad_(True)
         recorder.reset()
         with recorder.phase("forward"):
             output = block(x, seed)
         with recorder.phase("backward"):
-            output.backward(sequence_shard(upstream, rank, world_size).to(device, torch.float32))
+            output.backward(upstream.to(device, torch.float32))
         with recorder.phase("gradient synchronisation"):
             block.all_reduce_replicated_gradients()
         steps.append({
@@ -238,7 +281,9 @@ def describe(case: dict, step: int) -> str:
     n = case["world_size"]
     return (f"x [{case['batch']}, {case['tokens_per_rank'] * n}, {case['width']}] split into {n} sequence shards, "
             f"F={case['hidden_per_rank'] * n}, bias={case['bias']}, eps={case['eps']}, "
-            f"dropout_p={case['dropout_p']}, seed={case['seed']}, step {step} of {case['steps']}")
+            f"dropout_p={case['dropout_p']}, seed={case['seed']}, "
+            + (f"dropout_seed={case['dropout_seed']}, " if case["dropout_p"] > 0 else "")
+            + f"step {step} of {case['steps']}")
 
 
 def shard_of(full: torch.Tensor, how: str, rank: int, world_size: int) -> torch.Tensor:
@@ -277,13 +322,21 @@ def check_block(reference, case: dict, results: list[dict]) -> None:
                       f"gradient of {name} after all_reduce_replicated_gradients()")
 
 
+def run_blocks(ranks, world_size: int, case: dict) -> list[dict]:
+    """The student's block on `world_size` ranks, each given only its own inputs."""
+    return ranks.run(run_block, world_size, without_seeds(case), rank_data=rank_inputs(case))
+
+
 def block_cases(world_size: int, dropout: st.SearchStrategy[float], steps: int) -> st.SearchStrategy[dict]:
     # The simplest draw (the only one under a budget of 1) has biases, several sequences, tokens and features.
     return st.fixed_dictionaries({
         "world_size": st.just(world_size), "steps": st.just(steps), "dropout_p": dropout,
-        "seed": st.integers(0, 2**20), "batch": st.integers(2, 3), "tokens_per_rank": st.integers(2, 4),
+        "seed": data_seeds(), "batch": st.integers(2, 3), "tokens_per_rank": st.integers(2, 4),
         "width": st.integers(3, 8), "hidden_per_rank": st.integers(2, 4), "bias": st.sampled_from([True, False]),
         "eps": st.sampled_from([1e-5, 1e-3]),
+        # Drawn apart from `seed` (and last, so that the other fields draw as before): every rank is given the dropout
+        # seed, and it must not reveal the inputs' seed. The simplest draw's 0 gives the masks of seed 0.
+        "dropout_seed": data_seeds(),
     })
 
 
@@ -292,7 +345,7 @@ def block_cases(world_size: int, dropout: st.SearchStrategy[float], steps: int) 
 @given(data=st.data())
 def test_block_matches_single_rank(ranks, reference, world_size, data):
     case = data.draw(block_cases(world_size, st.just(0.0), steps=2))
-    check_block(reference, case, ranks.run(run_block, world_size, case))
+    check_block(reference, case, run_blocks(ranks, world_size, case))
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -300,7 +353,7 @@ def test_block_matches_single_rank(ranks, reference, world_size, data):
 @given(data=st.data())
 def test_dropout_matches_single_rank(ranks, reference, world_size, data):
     case = data.draw(block_cases(world_size, st.sampled_from([0.5, 0.25, 0.1]), steps=2))
-    check_block(reference, case, ranks.run(run_block, world_size, case))
+    check_block(reference, case, run_blocks(ranks, world_size, case))
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -315,7 +368,7 @@ def test_collective_pattern(ranks, world_size, data):
         "forward": [("all_gather", full), ("reduce_scatter", local)],
         "backward": [("all_gather", full), ("reduce_scatter", local)],
     }
-    for rank, result in enumerate(ranks.run(run_block, world_size, case)):
+    for rank, result in enumerate(run_blocks(ranks, world_size, case)):
         context = f"rank {rank} of {world_size}, {describe(case, 1)}"
         calls = result["steps"][0]["calls"]
         for phase, wanted in expected.items():

@@ -1,11 +1,17 @@
 """Grading parallel.tensor_parallel: column/row-parallel linear layers, a tensor-parallel MLP and attention block.
 
-The program `run_layer` runs inside each rank process: it builds the student's sharded layer from full weights that
-every rank draws alike, runs a few forward/backward/SGD steps and returns outputs, gradients and the collectives of
-each step. Here, in the grader's process, the single-rank module (the reference's `*_torch`) runs the same steps on
-the full weights in float64 (the expected values) and float32 (the calibration), and each rank's results are compared
-with the slice of them it should hold. The tolerance's floor is relative to the largest value of the step (see
-floor_ulps).
+The program `run_layer` runs inside each rank process: it builds the student's sharded layer from the full weights, runs
+a few forward/backward/SGD steps and returns outputs, gradients and the collectives of each step. Here, in the grader's
+process, the single-rank module (the reference's `*_torch`) runs the same steps on the full weights in float64 (the
+expected values) and float32 (the calibration), and each rank's results are compared with the slice of them it should
+hold. The tolerance's floor is relative to the largest value of the step (see floor_ulps).
+
+Each rank's inputs are built here and reach that rank alone (`rank_data`): the full weights (every rank holds them:
+the constructors shard them), the layer's input (replicated, or only the rank's shard for the row-parallel layer) and
+the upstream gradient (only the rank's shard for the column-parallel layer). The arguments every rank sees hold only
+shapes, so no rank can rebuild what it should obtain through a collective. The MLP and attention block take replicated
+inputs and full weights, so their values could be computed on one rank alone: test_collective_pattern is what shows
+that they communicate.
 """
 
 from __future__ import annotations
@@ -17,8 +23,10 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank_data import without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.tensor_parallel"]
@@ -100,8 +108,41 @@ def shard_of(full: torch.Tensor, how: str, rank: int, world_size: int) -> torch.
     return full
 
 
-def build_layer(student, case: dict, device: torch.device):
-    linears = {name: linear.to(device) for name, linear in full_linears(case).items()}
+def rank_inputs(case: dict) -> list[dict]:
+    """Built in the grader's process: what rank r holds, as plain CPU tensors. Every rank holds the full weights and
+    the replicated tensors; a sharded input or upstream gradient is only the rank's shard, cloned so that no tensor
+    carries a storage that also holds another rank's part."""
+    world_size = case["world_size"]
+    linears = {name: {"weight": linear.weight.detach().clone(),
+                      "bias": None if linear.bias is None else linear.bias.detach().clone()}
+               for name, linear in full_linears(case).items()}
+    inputs = []
+    for rank in range(world_size):
+        steps = []
+        for step in range(case["steps"]):
+            x, upstream = step_tensors(case, step)
+            if SHARDED_INPUT[case["kind"]]:
+                x = last_dim_shard(x, rank, world_size)
+            if SHARDED_OUTPUT[case["kind"]]:
+                upstream = last_dim_shard(upstream, rank, world_size)
+            steps.append({"x": x.clone(), "upstream": upstream.clone()})
+        inputs.append({"linears": linears, "steps": steps})
+    return inputs
+
+
+def linear_from(state: dict) -> torch.nn.Linear:
+    """A float32 Linear on the CPU holding exactly the given weight and bias."""
+    weight, bias = state["weight"], state["bias"]
+    linear = torch.nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+    with torch.no_grad():
+        linear.weight.copy_(weight)
+        if bias is not None:
+            linear.bias.copy_(bias)
+    return linear
+
+
+def build_layer(student, case: dict, weights: dict, device: torch.device):
+    linears = {name: linear_from(state).to(device) for name, state in weights.items()}
     kind = case["kind"]
     if kind == "column":
         return student.ColumnParallelLinear(linears[""])
@@ -112,21 +153,19 @@ def build_layer(student, case: dict, device: torch.device):
     return student.TensorParallelAttention(linears["qkv"], linears["proj"], case["heads"], case["causal"])
 
 
-def run_layer(student, rank: int, world_size: int, cases: list[dict]) -> list[dict]:
-    """Runs in a rank process: each case's sharded layer for its steps, with the collectives of every phase."""
+def run_layer(student, rank: int, world_size: int, cases: list[dict], rank_data: list[dict]) -> list[dict]:
+    """Runs in a rank process: each case's sharded layer for its steps, with the collectives of every phase. `cases`
+    (seen by every rank) hold only shapes; `rank_data` (this rank's alone) holds, per case, the full weights and each
+    step's input and upstream gradient as this rank holds them (see rank_inputs)."""
     device = rank_device()
     results = []
-    for case in cases:
-        layer = build_layer(student, case, device)
+    for case, inputs in zip(cases, rank_data):
+        layer = build_layer(student, case, inputs["linears"], device)
         parameters = dict(layer.named_parameters())
         optimizer = torch.optim.SGD(list(parameters.values()), lr=LEARNING_RATE)
         steps = []
         for step in range(case["steps"]):
-            x, upstream = step_tensors(case, step)
-            if SHARDED_INPUT[case["kind"]]:
-                x = last_dim_shard(x, rank, world_size)
-            if SHARDED_OUTPUT[case["kind"]]:
-                upstream = last_dim_shard(upstream, rank, world_size)
+            x, upstream = inputs["steps"][step]["x"], inputs["steps"][step]["upstream"]
             x = x.to(device, torch.float32).requires_grad_(True)
             recorder.reset()
             with recorder.phase("forward"):
@@ -223,7 +262,7 @@ def cases_strategy(kind: str, world_size: int, steps: int) -> st.SearchStrategy[
     # and heads of two dimensions: every part of the contract takes effect in it.
     common = {
         "kind": st.just(kind), "world_size": st.just(world_size), "steps": st.just(steps),
-        "seed": st.integers(0, 2**20), "bias": st.sampled_from([True, False]), "batch": st.integers(1, 3),
+        "seed": data_seeds(), "bias": st.sampled_from([True, False]), "batch": st.integers(1, 3),
         "tokens": st.integers(2, 6),
     }
     if kind == "attention":
@@ -234,8 +273,15 @@ def cases_strategy(kind: str, world_size: int, steps: int) -> st.SearchStrategy[
     return st.fixed_dictionaries({**common, "width": st.integers(2, 9), "per_rank": st.integers(1, 3)})
 
 
+def run_cases(ranks, world_size: int, cases: list[dict]) -> list[list[dict]]:
+    """The student's layers of `cases` on `world_size` ranks, each rank given only its own inputs."""
+    per_case = [rank_inputs(case) for case in cases]
+    return ranks.run(run_layer, world_size, [without_seeds(case) for case in cases],
+                     rank_data=[[inputs[rank] for inputs in per_case] for rank in range(world_size)])
+
+
 def check_layer(ranks, reference, kind: str, world_size: int, case: dict) -> None:
-    results = ranks.run(run_layer, world_size, [case])
+    results = run_cases(ranks, world_size, [case])
     for rank, result in enumerate(results):
         check_values(reference, case, result[0], rank)
 
@@ -282,7 +328,7 @@ def expected_calls(case: dict) -> list[tuple[str, int, str]]:
 @given(data=st.data())
 def test_collective_pattern(ranks, world_size, data):
     cases = [data.draw(cases_strategy(kind, world_size, 1)) for kind in KINDS]
-    results = ranks.run(run_layer, world_size, cases)
+    results = run_cases(ranks, world_size, cases)
     for rank, per_case in enumerate(results):
         for case, result in zip(cases, per_case):
             expected = expected_calls(case)

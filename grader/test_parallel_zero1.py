@@ -1,9 +1,10 @@
 """Grading parallel.zero1: an optimizer whose state is sharded over ranks, each rank stepping its own parameters.
 
 The program `train_on_rank` runs inside each rank process: it averages gradients over its data-parallel ranks itself,
-then calls the student's ShardedOptimizer. Weights after every step and the inner optimizer's state come back here
-and are compared with single-process training by the unsharded optimizer on the full batch, and with the pinned
-partition of parameters over ranks.
+then calls the student's ShardedOptimizer. Each rank receives only its own inputs, built here (the initial weights and
+its rows of the batch): no rank can rebuild another's rows. Weights after every step and the inner optimizer's state
+come back here and are compared with single-process training by the unsharded optimizer on the full batch, and with
+the pinned partition of parameters over ranks.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close
+from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
-from grader.parallel_models import TiedMLP
+from grader.parallel_models import TiedMLP, tied_mlp_from_state
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.zero1"]
@@ -57,20 +60,26 @@ def state_bytes_by_parameter(optimizer: torch.optim.Optimizer, params: list[torc
             if p in optimizer.state else 0 for p in params]
 
 
-def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
-    """Runs in a rank process. With config["group_size"], the ranks form consecutive groups of that size, each an
-    independent data-parallel run with its own ShardedOptimizer over its group."""
+def rank_inputs(config: dict, world_size: int) -> list[dict]:
+    """Each rank's own inputs, built in the grader's process: the initial weights (the same on every rank) and the
+    rank's rows of its group's batch."""
+    group_size = config.get("group_size") or world_size
+    x, y = make_batch(config, group_size)
+    return row_shards(x, y, config["rows_per_rank"], [plain_state(make_model(config))] * world_size, group_size)
+
+
+def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: dict) -> dict:
+    """Runs in a rank process, on its own rank_data (rank_inputs). With config["group_size"], the ranks form
+    consecutive groups of that size, each an independent data-parallel run with its own ShardedOptimizer over its
+    group."""
     device = rank_device()
     group_size, group = config.get("group_size") or world_size, None
     if group_size < world_size:
         # Every rank creates every group, in the same order, as new_group requires.
         groups = [dist.new_group(list(range(start, start + group_size))) for start in range(0, world_size, group_size)]
         group = groups[rank // group_size]
-    local_rank = rank % group_size
-    model = make_model(config).to(device)
-    x, y = make_batch(config, group_size)
-    rows = slice(local_rank * config["rows_per_rank"], (local_rank + 1) * config["rows_per_rank"])
-    x_shard, y_shard = x[rows].to(device), y[rows].to(device)
+    model = tied_mlp_from_state(rank_data["state"]).to(device)
+    x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
     sharded = student.ShardedOptimizer(given_parameters(model), optimizer_cls, group, **kwargs)
     params = list(model.parameters())
@@ -120,7 +129,7 @@ def pinned_owners(config: dict, ranks: int) -> list[int]:
 def configs(optimizers=tuple(OPTIMIZERS)) -> st.SearchStrategy[dict]:
     return st.fixed_dictionaries({
         "optimizer": st.sampled_from(optimizers),
-        "seed": st.integers(0, 2**20),
+        "seed": data_seeds(),
         "width": st.integers(3, 17),
         "hidden": st.integers(3, 17),
         "outputs": st.integers(1, 4),
@@ -142,18 +151,23 @@ def check_weights(results: list[dict], config: dict, data_ranks: int) -> None:
                              context=context, multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 
 
+def run_training(ranks, world_size: int, config: dict) -> list[dict]:
+    """train_on_rank on every rank, each given only its own inputs."""
+    return ranks.run(train_on_rank, world_size, without_seeds(config), rank_data=rank_inputs(config, world_size))
+
+
 @pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
 @examples(PROBLEM, shrink=False)
 @given(config=configs())
 def test_matches_unsharded(ranks, world_size, config):
-    check_weights(ranks.run(train_on_rank, world_size, config), config, world_size)
+    check_weights(run_training(ranks, world_size, config), config, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2])
 @examples(PROBLEM, shrink=False)
 @given(config=configs(("adamw", "sgd_momentum")))
 def test_state_sharded(ranks, world_size, config):
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     unsharded = train_unsharded(config, world_size, torch.float32)["state_bytes"]
     owners = pinned_owners(config, world_size)
     total = sum(unsharded)
@@ -177,4 +191,4 @@ def test_state_sharded(ranks, world_size, config):
 def test_process_group(ranks, world_size, config):
     """Two independent pairs of ranks, {0, 1} and {2, 3}, each with a ShardedOptimizer over its own group."""
     config = {**config, "group_size": 2}
-    check_weights(ranks.run(train_on_rank, world_size, config), config, 2)
+    check_weights(run_training(ranks, world_size, config), config, 2)

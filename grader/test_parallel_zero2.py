@@ -1,6 +1,7 @@
 """Grading parallel.zero2: data parallelism with gradients and optimizer state sharded over ranks.
 
-The program `train_on_rank` runs inside each rank process with the student's ZeRO2; the gradients each rank holds
+The program `train_on_rank` runs inside each rank process with the student's ZeRO2, on its own inputs only (its
+initial weights and its rows of the batch, built here): no rank can rebuild another's. The gradients each rank holds
 after synchronisation, its weights after every step and its collectives come back here, and are compared with
 single-process training by the unsharded optimizer on the full batch and with the pinned partition.
 """
@@ -14,9 +15,11 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
+from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
-from grader.parallel_models import TiedMLP
+from grader.parallel_models import TiedMLP, tied_mlp_from_state
+from grader.strategies import data_seeds
 from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.zero2"]
@@ -44,14 +47,24 @@ def make_batch(config: dict, world_size: int, dtype: torch.dtype = torch.float32
     return x.to(dtype), y.to(dtype)
 
 
-def train_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
-    """Runs in a rank process: the student's ZeRO2 on this rank's shard, every step recorded."""
-    device = rank_device()
-    # Each rank starts from different weights: only the broadcast at construction can make them agree.
-    model = make_model(config["seed"] + 7919 * rank, config).to(device)
+def rank_inputs(config: dict, world_size: int) -> list[dict]:
+    """Each rank's own inputs, built in the grader's process: its initial weights and its rows of the batch. Each rank
+    starts from different weights: only the broadcast at construction can make them agree."""
     x, y = make_batch(config, world_size)
-    rows = slice(rank * config["rows_per_rank"], (rank + 1) * config["rows_per_rank"])
-    x_shard, y_shard = x[rows].to(device), y[rows].to(device)
+    states = [plain_state(make_model(config["seed"] + 7919 * rank, config)) for rank in range(world_size)]
+    return row_shards(x, y, config["rows_per_rank"], states)
+
+
+def run_training(ranks, world_size: int, config: dict) -> list[dict]:
+    """train_on_rank on every rank, each given only its own inputs."""
+    return ranks.run(train_on_rank, world_size, without_seeds(config), rank_data=rank_inputs(config, world_size))
+
+
+def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: dict) -> dict:
+    """Runs in a rank process: the student's ZeRO2 on this rank's rank_data (rank_inputs), every step recorded."""
+    device = rank_device()
+    model = tied_mlp_from_state(rank_data["state"]).to(device)
+    x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
     zero = student.ZeRO2(model, optimizer_cls, **kwargs)
     grads, weights, steps_calls = [], [], []
@@ -107,7 +120,7 @@ def parameter_bytes(config: dict) -> list[int]:
 
 configs = st.fixed_dictionaries({
     "optimizer": st.sampled_from(tuple(OPTIMIZERS)),
-    "seed": st.integers(0, 2**20),
+    "seed": data_seeds(),
     "width": st.integers(3, 17),
     "hidden": st.integers(3, 17),
     "outputs": st.integers(1, 4),
@@ -119,7 +132,7 @@ configs = st.fixed_dictionaries({
 @examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_matches_single_process(ranks, world_size, config):
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     exact = train_unsharded(config, world_size, torch.float64)
     at_fp32 = train_unsharded(config, world_size, torch.float32)
     owners = pinned_owners(config, world_size)
@@ -148,7 +161,7 @@ def test_matches_single_process(ranks, world_size, config):
 @examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_gradients_sharded(ranks, world_size, config):
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     owners = pinned_owners(config, world_size)
     sizes = parameter_bytes(config)
     for rank, result in enumerate(results):
@@ -171,7 +184,7 @@ def test_gradients_sharded(ranks, world_size, config):
 @examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_collective_pattern(ranks, world_size, config):
-    results = ranks.run(train_on_rank, world_size, config)
+    results = run_training(ranks, world_size, config)
     trainable = [size for size, owner in zip(parameter_bytes(config), pinned_owners(config, world_size))
                  if owner is not None]
     for rank, result in enumerate(results):
