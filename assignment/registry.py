@@ -48,6 +48,11 @@ class Problem:
     error_multiple: float = 4.0
     floor_ulps: float = 8.0
     extra: dict[str, object] = field(default_factory=dict)
+    # Parallel family: per test group, what its points rest on. "outside": values the grader compares with its own
+    # computation, which a rank given only its own inputs cannot produce without its peers; "in-process": what the
+    # student's process records about itself (collectives, phases, memory, raised exceptions), which catches honest
+    # mistakes but can be forged by code that rewrites its own process. The handout prints it.
+    evidence: dict[str, str] = field(default_factory=dict)
 
     @property
     def family(self) -> str:
@@ -339,6 +344,13 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=90.0,
         world_sizes=(2, 4),
+        evidence={
+            "broadcast_at_construction": "outside: weights after DDP(model) equal rank 0's, which only rank 0 received",
+            "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
+            "frozen_parameter": "outside: training values; in-process: the count of all-reduces",
+            "tied_weights": "outside: training values; in-process: the count of all-reduces",
+            "overlaps_backward": "in-process: recorded all-reduces, their phase and async flag",
+        },
     ),
     Problem(
         id="parallel.ddp_bucketed",
@@ -354,6 +366,12 @@ PROBLEMS: tuple[Problem, ...] = (
         # Step time on two GPUs: (layers, width, rows per rank) of a stack of Linear + GELU layers.
         speed=SpeedThreshold(shapes=((8, 4096, 512),), dtypes=("float32",)),
         world_sizes=(2, 4),
+        evidence={
+            "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
+            "bucket_partition": "in-process: byte sizes of the recorded all-reduces",
+            "overlaps_backward": "in-process: recorded phases and async flags",
+            "speed": "in-process: step times measured in the ranks, against the reference's ranks",
+        },
     ),
     Problem(
         id="parallel.tensor_parallel",
@@ -369,6 +387,18 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=90.0,
         world_sizes=(2, 4),
+        evidence={
+            "column_parallel_linear": "outside: the input gradient needs every rank's upstream shard",
+            "row_parallel_linear": "outside: the output needs every rank's input shard",
+            "mlp_matches_single_rank": (
+                "outside: values (each rank holds the replicated input, so one rank could compute them)"
+            ),
+            "attention_matches_single_rank": (
+                "outside: values (each rank holds the replicated input, so one rank could compute them)"
+            ),
+            "collective_pattern": "in-process: recorded collectives, bytes and phases",
+            "invalid_arguments": "in-process: exception types raised in the ranks",
+        },
     ),
     Problem(
         id="parallel.pipeline",
@@ -383,6 +413,17 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=90.0,
         world_sizes=(2, 4),
+        evidence={
+            "bubble_fraction": "outside: numbers compared in the grader's process",
+            "gpipe_matches_single_process": (
+                "outside: stage gradients, weights and loss need every stage's weights and data"
+            ),
+            "one_f_one_b_matches_single_process": (
+                "outside: stage gradients, weights and loss need every stage's weights and data"
+            ),
+            "gpipe_order": "in-process: forward and backward order recorded by hooks in the ranks",
+            "one_f_one_b_order": "in-process: forward and backward order recorded by hooks in the ranks",
+        },
     ),
     Problem(
         id="parallel.collectives",
@@ -402,6 +443,45 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=60.0,
         world_sizes=(2, 4),
+        evidence={
+            "broadcast": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "scatter": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "gather": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "reduce": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "all_gather": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "reduce_scatter": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "all_reduce": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "all_to_all": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "process_groups": (
+                "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
+                "rule"
+            ),
+            "invalid_arguments": "in-process: exception types raised in the ranks",
+        },
     ),
     Problem(
         id="parallel.activation_checkpointing",
@@ -415,6 +495,12 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 3, "public": 15, "grading": 60},
         # What a checkpointed forward may keep beyond its outputs, as a fraction of what the plain block keeps.
         extra={"held_fraction": 0.25},
+        evidence={
+            "matches_plain_block": "outside: outputs and gradients compared in the grader's process",
+            "inputs_without_grad": "outside: outputs and gradients compared in the grader's process",
+            "dropout_replays": "outside: outputs and gradients compared in the grader's process",
+            "saves_no_activations": "in-process: tensors saved for backward, recorded in the worker",
+        },
     ),
     Problem(
         id="parallel.expert_parallel",
@@ -427,6 +513,11 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 1, "public": 3, "grading": 8},
         call_timeout_s=90.0,
         world_sizes=(2, 4),
+        evidence={
+            "matches_single_rank": "outside: outputs and gradients need other ranks' experts and tokens",
+            "uneven_and_empty_experts": "outside: outputs and gradients need other ranks' experts and tokens",
+            "uses_all_to_all": "in-process: recorded collectives and bytes per phase",
+        },
     ),
     Problem(
         id="parallel.zero1",
@@ -439,6 +530,11 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=90.0,
         world_sizes=(2, 4),
+        evidence={
+            "matches_unsharded": "outside: every rank's weights after each step equal the grader's training",
+            "state_sharded": "in-process: optimizer state bytes the rank reports",
+            "process_group": "outside: each group's weights equal the grader's training",
+        },
     ),
     Problem(
         id="parallel.fsdp",
@@ -460,6 +556,16 @@ PROBLEMS: tuple[Problem, ...] = (
         speed=SpeedThreshold(shapes=((4096, 4, 8192),), dtypes=("bfloat16",)),
         # bf16 compute: the student's error may be this multiple of the reference's own bf16 run's.
         extra={"bf16_error_multiple": 8.0},
+        evidence={
+            "matches_single_process": "outside: gradient and weight shards equal the grader's training",
+            "frozen_parameter": "outside: training values compared in the grader's process",
+            "full_state_dict": "outside: the trained full state needs every rank's gradients and shards",
+            "tied_weights_rejected": "in-process: what construction raised in the ranks",
+            "collective_pattern": "in-process: recorded collectives, bytes and phases",
+            "peak_parameter_memory": "in-process: memory probes inside the ranks",
+            "compute_dtype_bf16": "outside: training values; in-process: the recorded collectives",
+            "speed": "in-process: step times measured in the ranks, against the reference's ranks",
+        },
     ),
     Problem(
         id="parallel.accounting",
@@ -475,6 +581,14 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 25, "public": 100, "grading": 400},
         call_timeout_s=10.0,
         test_timeout_s=120.0,
+        evidence={
+            "bytes_per_parameter": "outside: numbers compared in the grader's process",
+            "communication_volume": "outside: numbers compared in the grader's process",
+            "activations": "outside: numbers compared in the grader's process",
+            "tensor_parallel_activations": "outside: numbers compared in the grader's process",
+            "sequence_parallel_activations": "outside: numbers compared in the grader's process",
+            "invalid_arguments": "outside: numbers compared in the grader's process",
+        },
     ),
     Problem(
         id="parallel.sequence_parallel",
@@ -489,6 +603,13 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=90.0,
         world_sizes=(2, 4),
+        evidence={
+            "gather_and_reduce_scatter": "outside: results need the other ranks' tensors; in-process: the call pattern",
+            "block_matches_single_rank": "outside: parameter gradients sum over every rank's tokens",
+            "dropout_matches_single_rank": "outside: parameter gradients sum over every rank's tokens",
+            "collective_pattern": "in-process: recorded collectives, bytes and phases",
+            "invalid_arguments": "in-process: exception types raised in the ranks",
+        },
     ),
     Problem(
         id="parallel.zero2",
@@ -501,6 +622,11 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=90.0,
         world_sizes=(2, 4),
+        evidence={
+            "matches_single_process": "outside: owners' gradients need every rank's rows, weights need rank 0's",
+            "gradients_sharded": "in-process: which gradients the rank reports as None",
+            "collective_pattern": "in-process: recorded collectives and phases",
+        },
     ),
 )
 

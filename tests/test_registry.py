@@ -66,3 +66,12 @@ def test_stub_bodies_raise_not_implemented(problem):
         assert ast.get_docstring(function) or ast.get_docstring(tree), f"{function.name} has no contract"
         last = function.body[-1]
         assert isinstance(last, ast.Raise) and "NotImplementedError" in ast.unparse(last), function.name
+
+
+@pytest.mark.parametrize("problem", [p for p in PROBLEMS if p.family == "parallel"], ids=lambda p: p.id)
+def test_every_parallel_test_says_what_its_points_rest_on(problem):
+    """The handout's grading table states, for every parallel test group, whether its evidence is verified from
+    outside the student's processes or recorded inside them."""
+    assert set(problem.evidence) == set(problem.points), problem.id
+    for group, evidence in problem.evidence.items():
+        assert evidence.startswith(("outside:", "in-process:")), (group, evidence)

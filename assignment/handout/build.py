@@ -262,7 +262,11 @@ def problem_data(root: Path, problem) -> dict:
         "section": section.as_posix(),
         "stub": stub_path(problem).as_posix(),
         "test_module": problem.test_module,
-        "points": [{"group": group, "points": points} for group, points in problem.points.items()],
+        "points": [
+            {"group": group, "points": points, "evidence": problem.evidence.get(group, "")}
+            for group, points in problem.points.items()
+        ],
+        "has_evidence": bool(problem.evidence),
         "total_points": problem.max_points,
         "budgets": problem.budgets,
         "call_timeout_s": problem.call_timeout_s,
