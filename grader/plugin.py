@@ -116,7 +116,8 @@ def pytest_configure(config: pytest.Config) -> None:
         raise pytest.UsageError(f"refusing to grade without a sandbox: {note}")
     device = backend.device()
     on_gpu = device.type == "cuda"
-    sandbox = isolation.Isolation(level, gpu=on_gpu, address_space_bytes=None if on_gpu else isolation.physical_memory())
+    memory_cap = None if on_gpu else isolation.physical_memory()
+    sandbox = isolation.Isolation(level, gpu=on_gpu, address_space_bytes=memory_cap)
     if level == "uid" and not isolation.unreadable_by_sandbox_user(reference.path):
         raise pytest.UsageError(f"--isolation uid: the user {isolation.SANDBOX_USER!r} could read the reference at "
                                 f"{reference.path}; make a directory on its path private (chmod o-rx)")
@@ -246,6 +247,7 @@ class Ranks:
             kwargs=kwargs,
             rank_data=rank_data,
             isolation=context.isolation.level,
+            disable_userns=context.isolation.disable_userns,
             timeout_s=self.problem.call_timeout_s * self.timeout_scale,
             # The launcher's own deadline ends a hang first, with a diagnosis; the collective timeout only guarantees
             # that ranks nobody watches (a Slurm job) cannot wait forever.
@@ -355,7 +357,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if context.impl_copy is not None:
         shutil.rmtree(context.impl_copy.path.parent, ignore_errors=True)
     if REFERENCE_HASHES in config.stash:
-        changed = reference_lock.changes(config.stash[REFERENCE_HASHES], reference_lock.fingerprint(context.reference.path))
+        now = reference_lock.fingerprint(context.reference.path)
+        changed = reference_lock.changes(config.stash[REFERENCE_HASHES], now)
         if changed:
             session.exitstatus = REFERENCE_MODIFIED_STATUS
             config.get_terminal_writer().line(

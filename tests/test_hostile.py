@@ -25,9 +25,13 @@ from tests.grading import ROOT, assert_fails_for, processes_with, run_grader
 HOSTILE = Path(__file__).resolve().parent / "hostile"
 SECRET_SEED = "918273645"
 
-pytestmark = pytest.mark.skipif(
-    not isolation.bwrap_works()[0], reason=f"these attacks are only safe to run in a sandbox: {isolation.bwrap_works()[1]}"
-)
+@pytest.fixture(autouse=True)
+def sandbox_here():
+    """The attacks are only safe to run in a sandbox (.ci/bwrap/install, run by tests/conftest.py, provides it): without
+    one, each test fails before its attack starts."""
+    works, why = isolation.bwrap_works()
+    if not works:
+        pytest.fail(f"no bwrap sandbox here: {why}")
 
 
 @pytest.fixture
@@ -129,4 +133,19 @@ def test_one_student_cannot_touch_another(tmp_path):
 def test_rules_hold_in_every_thread(tmp_path, variant, fragments):
     run = run_grader(hostile_impl(tmp_path, variant), *SELECTION)
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", *fragments)
+    assert_router_unharmed(run)
+
+
+def test_ranks_cannot_forge_training_without_communicating(tmp_path):
+    """The grader's rank program cannot be replaced, and with only its own inputs a rank that does not communicate
+    loses every point that rests on values; the overlap test, which rests on the rank's own records, is the one
+    an attacker who forges those records keeps (the handout says so)."""
+    impl = tmp_path / "impl"
+    shutil.copytree(ROOT / "reference", impl, ignore=shutil.ignore_patterns("__pycache__"))
+    shutil.copy(HOSTILE / "fakes_ddp" / "parallel" / "ddp.py", impl / "parallel" / "ddp.py")
+    run = run_grader(impl, "-k", "parallel_ddp and not bucketed or router")
+    for test in ("broadcast_at_construction", "matches_single_process", "frozen_parameter", "tied_weights"):
+        assert_fails_for(run, "parallel.ddp", test)
+    outside = [t for t in run.tests_of("parallel.ddp") if "overlaps_backward" not in t["name"]]
+    assert all(t["score"] == 0 for t in outside), outside
     assert_router_unharmed(run)

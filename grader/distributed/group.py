@@ -1,7 +1,7 @@
 """The first process of a launch inside the sandbox: `python -m grader.distributed.group RUN_DIR WORLD_SIZE`.
 
-Grader code, run before any student code; it imports no torch. Starts one process per rank, each with its own inputs' descriptor only,
-records each rank's exit status in `rank<r>.exit`, and returns when every rank has ended.
+Grader code, run before any student code; it imports no torch. Starts one process per rank, each holding only its own
+inputs' descriptor, records each rank's exit status in `rank<r>.exit`, and returns when every rank has ended.
 """
 
 from __future__ import annotations

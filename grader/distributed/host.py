@@ -1,8 +1,9 @@
 """The trusted start of one launch of ranks: `python -m grader.distributed.host RUN_DIR`.
 
-Runs outside the sandbox, before any student code, and imports no torch (a launch pays for that in its ranks only). It opens each rank's own inputs (`private/rank<r>.data.pt`) and
-removes the files, so that they exist only as open descriptors, then starts the rank group inside the sandbox with
-those descriptors; the group hands descriptor r to rank r alone. The sandbox sees only `shared/`.
+Runs outside the sandbox, before any student code, and imports no torch (a launch pays for that in its ranks only).
+It opens each rank's own inputs (`private/rank<r>.data.pt`) and removes the files, so that they exist only as open
+descriptors, then starts the rank group inside the sandbox with those descriptors; the group hands descriptor r to
+rank r alone. The sandbox sees only `shared/`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ def main() -> int:
     run = Path(sys.argv[1])
     host = json.loads((run / "private" / "host.json").read_text())
     # CUDA reserves far more address space than it uses: on a GPU the job's own memory limit applies instead.
-    isolation = Isolation(host["isolation"], gpu=host["gpu"], address_space_bytes=None if host["gpu"] else physical_memory())
+    memory_cap = None if host["gpu"] else physical_memory()
+    isolation = Isolation(host["isolation"], gpu=host["gpu"], address_space_bytes=memory_cap,
+                          disable_userns=host["disable_userns"])
     shared = run / "shared"
     isolation.grant(shared)
     data_fds = []

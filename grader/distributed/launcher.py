@@ -59,6 +59,7 @@ class RankJob:
     collective_timeout_s: float = 90.0
     backend: str = "auto"
     isolation: str = "none"
+    disable_userns: bool = True  # see grader.sandbox.isolation.Isolation
     extra_code: tuple[str, ...] = ()  # further read-only code folders the program needs (the grader's own tests)
 
     def resolved_backend(self) -> str:
@@ -96,7 +97,8 @@ def prepare_run_dir(job: RankJob) -> Path:
         "collective_timeout_s": job.collective_timeout_s,
     }
     (run / "shared" / "job.pt").write_bytes(encode(description))
-    host = {"impl": job.impl.to_json(), "isolation": job.isolation, "gpu": backend == "nccl",
+    host = {"impl": job.impl.to_json(), "isolation": job.isolation, "disable_userns": job.disable_userns,
+            "gpu": backend == "nccl",
             "world_size": job.world_size, "extra_code": list(job.extra_code)}
     (run / "private" / "host.json").write_text(json.dumps(host))
     if job.rank_data is not None:
@@ -205,12 +207,17 @@ def collect(run: Path, job: RankJob, exit_codes: dict[int, int | None], timed_ou
     return [replies[r]["value"] for r in range(job.world_size)]
 
 
+def log_tail(path: Path, lines: int = 15) -> str:
+    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+
+
 def rank_death(run: Path, rank: int, world_size: int, exit_code: int | None) -> str:
-    log = run / "shared" / f"rank{rank}.log"
-    tail = "\n".join(log.read_text(errors="replace").splitlines()[-15:]) if log.exists() else ""
-    return f"rank {rank} of {world_size} died ({exit_description(exit_code)}) without a result" + (
+    tail = log_tail(run / "shared" / f"rank{rank}.log")
+    message = f"rank {rank} of {world_size} died ({exit_description(exit_code)}) without a result" + (
         f"; its last output:\n{tail}" if tail else ""
     )
+    launch = log_tail(run / "host.log")  # the sandbox's own complaints, if the launch itself failed
+    return message + (f"\nthe launch's output:\n{launch}" if exit_code is None and launch else "")
 
 
 class LocalLauncher:

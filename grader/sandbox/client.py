@@ -166,7 +166,8 @@ class Sandbox:
 
     def enforce_rules(self, reply: dict, what: str) -> None:
         if reply.get("tampered"):
-            raise RuleViolation(f"{what} modified the grader's recorder in the worker ({', '.join(reply['tampered'][:4])})")
+            changed = ", ".join(reply["tampered"][:4])
+            raise RuleViolation(f"{what} modified the grader's recorder in the worker ({changed})")
         if reply.get("left_running"):
             raise RuleViolation(
                 f"{what} left {', '.join(reply['left_running'])} running after it returned: a call must finish its work"

@@ -212,4 +212,5 @@ class Tampering:
 
     def changed(self) -> list[str]:
         now = self.snapshot()
-        return sorted(name for name in self.captured.keys() | now.keys() if self.captured.get(name) is not now.get(name))
+        names = self.captured.keys() | now.keys()
+        return sorted(name for name in names if self.captured.get(name) is not now.get(name))

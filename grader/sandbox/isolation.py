@@ -130,10 +130,14 @@ class Mounts:
 class Isolation:
     """Builds the command and pre-exec step that put a process (and all it starts) into the sandbox."""
 
-    def __init__(self, level: str, gpu: bool = False, address_space_bytes: int | None = None):
+    def __init__(self, level: str, gpu: bool = False, address_space_bytes: int | None = None,
+                 disable_userns: bool | None = None):
         if level not in LEVELS:
             raise ValueError(f"unknown isolation level {level!r}; choose one of {', '.join(REQUESTS)}")
         self.level = level
+        # No user namespaces inside the sandbox (so no nested sandbox to escape its limits from), where the kernel can
+        # say so; the probe finds out.
+        self.disable_userns = _NESTED_USERNS_CAN_BE_DISABLED[0] if disable_userns is None else disable_userns
         self.gpu = gpu
         self.address_space_bytes = address_space_bytes
         self._scratch: Path | None = None
@@ -153,7 +157,8 @@ class Isolation:
             return argv
         args = [
             bwrap_path(), "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
-            "--uid", "65534", "--gid", "65534", "--hostname", "sandbox", "--disable-userns",
+            "--uid", "65534", "--gid", "65534", "--hostname", "sandbox",
+            *(["--disable-userns"] if self.disable_userns else []),
             *_system_binds(), *_python_binds(),
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
@@ -232,19 +237,27 @@ def bwrap_path() -> str:
     return path
 
 
+_NESTED_USERNS_CAN_BE_DISABLED = [True]
+
+
 @functools.cache
 def bwrap_works() -> tuple[bool, str]:
-    """Whether a bubblewrap sandbox starts here (user namespaces allowed, bwrap installed); why not, if it does not."""
+    """Whether a bubblewrap sandbox starts here (user namespaces allowed, bwrap installed); why not, if it does not.
+    Some kernels (gVisor's, say) cannot refuse user namespaces inside the sandbox: then it starts without that."""
     if shutil.which("bwrap") is None:
         return False, "bwrap is not installed"
-    probe = Isolation("bwrap").command([sys.executable, "-c", "import torch"], Mounts(impl_dir=REPOSITORY / "grader"))
-    try:
-        completed = subprocess.run(probe, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
-    except (OSError, subprocess.TimeoutExpired) as error:
-        return False, f"bwrap did not start: {error}"
-    if completed.returncode != 0:
-        return False, f"bwrap failed: {completed.stderr.strip().splitlines()[-1] if completed.stderr.strip() else ''}"
-    return True, ""
+    for disable_userns in (True, False):
+        _NESTED_USERNS_CAN_BE_DISABLED[0] = disable_userns
+        sandbox = Isolation("bwrap", disable_userns=disable_userns)
+        probe = sandbox.command([sys.executable, "-c", "import torch"], Mounts(impl_dir=REPOSITORY / "grader"))
+        try:
+            completed = subprocess.run(probe, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+        except (OSError, subprocess.TimeoutExpired) as error:
+            return False, f"bwrap did not start: {error}"
+        if completed.returncode == 0:
+            return True, ""
+    lines = completed.stderr.strip().splitlines()
+    return False, f"bwrap failed: {lines[-1] if lines else f'exit status {completed.returncode}'}"
 
 
 def choose(requested: str) -> tuple[str, str]:
@@ -262,7 +275,7 @@ def choose(requested: str) -> tuple[str, str]:
         why_not_uid = uid_unavailable()
         if why_not_uid is None:
             return "uid", f"no bwrap sandbox ({why}): student code runs as the user {SANDBOX_USER!r}"
-        return "none", f"no bwrap sandbox ({why}) and no uid level ({why_not_uid}): student code runs as the grader's user"
+        return "none", f"no bwrap sandbox ({why}), no uid level ({why_not_uid}): student code runs as the grader's user"
     why_not_uid = uid_unavailable()
     if why_not_uid is not None:
         raise RuntimeError(f"--isolation uid: {why_not_uid}")
