@@ -28,6 +28,7 @@ def job(program: str, world_size: int = 2, timeout_s: float = 60.0, rank_data: l
         backend="gloo",
         rank_data=rank_data,
         isolation=isolation.choose("auto")[0],
+        disable_userns=isolation.Isolation("none").disable_userns,
         extra_code=(str(ROOT / "tests"),),
     )
 
