@@ -278,9 +278,9 @@ SPEED_LEARNING_RATE = 1e-3
 
 
 def time_training_steps(student, rank: int, world_size: int, layers: int, width: int, rows: int,
-                        dtype_name: str) -> dict:
+                        dtype_name: str, rank_data: dict) -> dict:
     """Runs in a rank process on its GPU: whole training steps (forward, backward, gradient synchronisation,
-    optimizer step) timed after warm-up."""
+    optimizer step) timed after warm-up, on a batch from this rank's own secret seed."""
     device = rank_device()
     dtype = getattr(torch, dtype_name)
     torch.manual_seed(0)
@@ -288,7 +288,7 @@ def time_training_steps(student, rank: int, world_size: int, layers: int, width:
     for _ in range(layers):
         stack += [torch.nn.Linear(width, width), torch.nn.GELU()]
     model = torch.nn.Sequential(*stack).to(device, dtype)
-    generator = torch.Generator(device=device).manual_seed(1 + rank)
+    generator = torch.Generator(device=device).manual_seed(rank_data["data_seed"])
     x = torch.randn(rows, width, generator=generator, device=device, dtype=dtype)
     ddp = student.BucketedDDP(model, SPEED_BUCKET_MB)
     optimizer = torch.optim.SGD(model.parameters(), lr=SPEED_LEARNING_RATE)

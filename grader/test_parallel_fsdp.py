@@ -430,14 +430,15 @@ def test_compute_dtype_bf16(ranks, world_size, config):
 # --- speed on two GPUs ----------------------------------------------------------------------------------------------
 
 def time_training_steps(student, rank: int, world_size: int, width: int, units_count: int, rows: int,
-                        dtype: str) -> dict:
-    """Runs in a rank process on its GPU: whole training steps of the module's FSDP timed after warm-up."""
+                        dtype: str, rank_data: dict) -> dict:
+    """Runs in a rank process on its GPU: whole training steps of the module's FSDP timed after warm-up, on a batch
+    from this rank's own secret seed."""
     device = rank_device()
     config = {"seed": 0, "widths": [width] * (units_count + 1), "variant": "plain"}
     model = make_model(config).to(device)
     fsdp = student.FSDP(model, compute_dtype=getattr(torch, dtype) if dtype != "float32" else None)
     optimizer = make_optimizer("adamw", list(fsdp.sharded_parameters()))
-    generator = torch.Generator(device).manual_seed(rank)
+    generator = torch.Generator(device).manual_seed(rank_data["data_seed"])
     x = torch.randn(rows, width, device=device, generator=generator)
     y = torch.randn(rows, width, device=device, generator=generator)
 

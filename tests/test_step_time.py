@@ -25,13 +25,16 @@ class FakeRanks:
     def __init__(self, student: list[dict], reference: list[dict]):
         self.student, self.reference = student, reference
         self.order = []
+        self.rank_data = []
 
-    def run(self, program, world_size, *args):
+    def run(self, program, world_size, *args, rank_data):
         self.order.append("student")
+        self.rank_data.append(rank_data)
         return self.student
 
-    def run_reference(self, program, world_size, *args):
+    def run_reference(self, program, world_size, *args, rank_data):
         self.order.append("reference")
+        self.rank_data.append(rank_data)
         return self.reference
 
 
@@ -74,3 +77,10 @@ def test_training_that_differs_is_refused_with_its_time(student, fragment):
 def test_rounding_within_tolerance_is_accepted():
     want = [rank_result([0.01])]
     check_same_training([rank_result([0.01], losses=(2.0005, 1.5), weight_sum=10.09)], want, rtol=1e-3)
+
+
+def test_every_launch_gets_the_same_secret_seed_per_rank_and_ranks_differ():
+    ranks, _ = graded(0.011)
+    first = ranks.rank_data[0]
+    assert all(data == first for data in ranks.rank_data) and len(ranks.rank_data) == 6
+    assert len(first) == 2 and first[0]["data_seed"] != first[1]["data_seed"]

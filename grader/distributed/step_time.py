@@ -8,6 +8,7 @@ is the median over steps of the maximum over ranks; the verdict uses the median 
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -83,13 +84,21 @@ def launch_step_time(results: list[dict]) -> float:
     return statistics.median(max(times) for times in zip(*per_rank))
 
 
+def secret_data_seeds(world_size: int) -> list[dict]:
+    """Each rank's {"data_seed": ...}, drawn here and given to that rank alone: the seed of its own synthetic batch,
+    which no other rank can rebuild, so that the re-check of the timed training needs the ranks to communicate."""
+    return [{"data_seed": random.SystemRandom().getrandbits(40)} for _ in range(world_size)]
+
+
 def compare_step_times(ranks, program, world_size: int, *args, rounds: int = 3) -> StepTimes:
-    """`rounds` alternating launches of `program` with the student's module and with the reference's."""
+    """`rounds` alternating launches of `program` with the student's module and with the reference's, every launch
+    with the same secret data seeds."""
     student, reference = [], []
+    rank_data = secret_data_seeds(world_size)
     for _ in range(rounds):
-        student_results = ranks.run(program, world_size, *args)
+        student_results = ranks.run(program, world_size, *args, rank_data=rank_data)
         student.append(launch_step_time(student_results))
-        reference_results = ranks.run_reference(program, world_size, *args)
+        reference_results = ranks.run_reference(program, world_size, *args, rank_data=rank_data)
         reference.append(launch_step_time(reference_results))
     return StepTimes(statistics.median(student), statistics.median(reference), student_results, reference_results)
 
