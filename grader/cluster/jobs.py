@@ -126,8 +126,10 @@ GRADED_EXIT_STATUSES = (0, 1)  # pytest: every test passed, or some failed
 
 
 def exit_status_of(job: submitit.Job) -> int | None:
+    """The grading function's return value: pytest's exit status. Only task 0 runs it (the job's other tasks are
+    slots for ranks), so only its result is read."""
     try:
-        return int(job.result())
+        return int(job.task(0).result())
     except Exception:  # noqa: BLE001 - a job that failed, was cancelled or never ran has no status
         return None
 
