@@ -49,9 +49,12 @@ def output_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(text.splitlines()[-lines:])
 
 
-def exit_description(returncode: int | None) -> str:
+def exit_description(returncode: int | None, through_bwrap: bool = False) -> str:
+    """How a process ended. bwrap reports a sandboxed process killed by signal N as its own exit status 128 + N."""
     if returncode is None:
         return "exit status unknown"
+    if through_bwrap and 128 < returncode < 128 + 65:
+        returncode = 128 - returncode
     if returncode < 0:
         try:
             return f"killed by signal {signal.Signals(-returncode).name}"
@@ -237,6 +240,6 @@ class Sandbox:
             tail = output_tail(self.log)
             self.stop()
             raise StudentCrashed(
-                f"the worker process running {what} died ({exit_description(code)})"
+                f"the worker process running {what} died ({exit_description(code, self.isolation.level == 'bwrap')})"
                 + (f"; its last output:\n{tail}" if tail else "")
             ) from None
