@@ -54,10 +54,10 @@ MAX_PROCESSES = 4096  # threads count too: torch starts one per core in every pr
 MAX_FILE_BYTES = 4 << 30
 
 
-def student_environment(extra_paths: tuple[str, ...] = ()) -> dict[str, str]:
+def student_environment() -> dict[str, str]:
     """The grader's environment without its secrets, with the grader's code importable."""
     env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
-    env["PYTHONPATH"] = os.pathsep.join([*extra_paths, str(REPOSITORY), env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([str(REPOSITORY), env.get("PYTHONPATH", "")])
     return env
 
 
@@ -152,7 +152,7 @@ class Isolation:
 
     # --- starting a process ---------------------------------------------------------------------------------------
 
-    def command(self, argv: list[str], mounts: Mounts, pass_fds: tuple[int, ...] = ()) -> list[str]:
+    def command(self, argv: list[str], mounts: Mounts) -> list[str]:
         if self.level != "bwrap":
             return argv
         args = [
@@ -210,7 +210,7 @@ class Isolation:
         if self.level == "uid":
             kwargs.setdefault("cwd", str(self.scratch()))  # not the grader's folder
         return subprocess.Popen(
-            self.command(argv, mounts, pass_fds), pass_fds=pass_fds, env=environment,
+            self.command(argv, mounts), pass_fds=pass_fds, env=environment,
             preexec_fn=self.preexec(), start_new_session=True, **kwargs,
         )
 
