@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     rows = grade_all(
         args.submissions, args.out, reference, options_from(args, problem_ids, args.parallel), args.profile,
-        pytest_args, args.timeout_scale, args.isolation, args.allow_unisolated,
+        pytest_args, args.timeout_scale, args.isolation, args.allow_unisolated, problem_ids=problem_ids,
     )
     return 0 if all(row["status"] == "graded" for row in rows) else 2
 

@@ -15,6 +15,8 @@ from pathlib import Path
 
 import pytest
 
+from assignment.registry import PROBLEMS
+from grader.cluster.grade_all import Submission, selected_problems, summary, write_class_csv
 from grader.cluster.jobs import ClusterOptions, make_executor
 from tests.grading import ROOT, run_grader
 
@@ -111,7 +113,9 @@ def test_grade_all_builds_the_class_table(slurm, tmp_path):
     args = ("grade-all", str(submissions), "--out", str(out), "--executor", "slurm", "--parallel", "2", *HOSTILE_RUN)
     done = grader_cli(*args)
     assert done.returncode == 0, done.stdout + done.stderr
-    rows = {row["student"]: row for row in csv.DictReader(open(out / "class.csv"))}
+    table = csv.DictReader(open(out / "class.csv"))
+    assert table.fieldnames == ["student", "kernels.softmax", "moe.router", "total", "status"]
+    rows = {row["student"]: row for row in table}
     expected = {  # (softmax, router, total) for the selected tests: softmax's fp32 test (5 points) and the router
         "complete": ("5", "20", "25"), "partial": ("0", "20", "20"), "empty": ("0", "0", "0"),
         "crashing": ("0", "20", "20"), "hanging": ("0", "20", "20"),
@@ -169,3 +173,35 @@ def test_submit_runs_locally_without_slurm(tmp_path):
     assert re.search(r"moe\.router\s+passed\s+20/20", done.stdout)
     runs = list((tmp_path / "work").iterdir())
     assert len(runs) == 1 and (runs[0] / "erin" / "moe" / "router.py").exists()
+
+
+def test_class_table_has_a_column_for_each_selected_problem_only(tmp_path):
+    """Written from results already on disk, as grade-all does after its jobs: no Slurm needed."""
+    graded = Submission("frank", tmp_path / "submissions" / "frank", tmp_path / "out" / "frank")
+    graded.out.mkdir(parents=True)
+    graded.results.write_text(json.dumps({"score": 9.0, "tests": [
+        {"name": "moe.router :: test_tie_breaking", "score": 4.0},
+        {"name": "kernels.softmax :: test_matches_reference_fp32", "score": 5.0},
+        {"name": "kernels.softmax :: test_long_rows", "score": 0.0},
+    ]}))
+    lost = Submission("grace", tmp_path / "submissions" / "grace", tmp_path / "out" / "grace")
+    lost.out.mkdir(parents=True)
+    lost.not_graded.write_text("the grading job was cancelled\n")
+    problems = selected_problems(["moe.router", "kernels.softmax"])
+
+    rows = write_class_csv([graded, lost], tmp_path / "out", problems)
+
+    table = csv.DictReader(open(tmp_path / "out" / "class.csv"))
+    assert table.fieldnames == ["student", "kernels.softmax", "moe.router", "total", "status"]  # registry order
+    assert list(table) == rows == [
+        {"student": "frank", "kernels.softmax": "5", "moe.router": "4", "total": "9", "status": "graded"},
+        {"student": "grace", "kernels.softmax": "", "moe.router": "", "total": "",
+         "status": "not graded: the grading job was cancelled"},
+    ]
+    text = summary(rows, problems)
+    softmax, router = problems
+    assert f"kernels.softmax: mean 5.00 of {softmax.max_points:g}" in text
+    assert f"moe.router: mean 4.00 of {router.max_points:g}" in text
+    assert "parallel.ddp" not in text
+    assert len(selected_problems(None)) == len(PROBLEMS)
+

@@ -14,7 +14,7 @@ import statistics
 from dataclasses import dataclass
 from pathlib import Path
 
-from assignment.registry import PROBLEMS
+from assignment.registry import PROBLEMS, Problem
 from grader.cluster.grading_job import GradingRequest, run_grading
 from grader.cluster.jobs import ClusterOptions, Outcome, make_executor, new_folder, outcome, wait
 from grader.cluster.snapshot import snapshot, tree_hash
@@ -97,44 +97,54 @@ def grade(submissions: list[Submission], reference: str, options: ClusterOptions
         submissions = again
 
 
-def points_by_problem(results: dict) -> dict[str, float]:
-    points = {problem.id: 0.0 for problem in PROBLEMS}
+def selected_problems(problem_ids: list[str] | None) -> list[Problem]:
+    """The problems a run grades, in the registry's order: those named by `--problems`, or all of them."""
+    return [problem for problem in PROBLEMS if problem_ids is None or problem.id in problem_ids]
+
+
+def points_by_problem(results: dict, problems: list[Problem]) -> dict[str, float]:
+    """Points per selected problem. A selected problem none of whose tests ran (a `--select` that matched none)
+    still has its column, at 0; tests of a problem not selected have no column to go to."""
+    points = {problem.id: 0.0 for problem in problems}
     for test in results["tests"]:
         problem_id = test["name"].split(" :: ")[0]
-        points[problem_id] = points.get(problem_id, 0.0) + test["score"]
+        if problem_id in points:
+            points[problem_id] += test["score"]
     return points
 
 
-def write_class_csv(submissions: list[Submission], out: Path) -> list[dict]:
+def write_class_csv(submissions: list[Submission], out: Path, problems: list[Problem]) -> list[dict]:
+    """class.csv: a row per student with the points of each selected problem (only those: a column of zeros for a
+    problem nobody was graded on would read as a class that failed it), the total and the status."""
     rows = []
     for submission in submissions:
         row = {"student": submission.student}
         if submission.results.exists() and not submission.not_graded.exists():
             results = json.loads(submission.results.read_text())
-            row.update({pid: f"{pts:g}" for pid, pts in points_by_problem(results).items()})
+            row.update({pid: f"{pts:g}" for pid, pts in points_by_problem(results, problems).items()})
             row["total"] = f"{results['score']:g}"
             row["status"] = "graded"
         else:
             reason = submission.not_graded.read_text().strip() if submission.not_graded.exists() else "no result"
-            row.update({problem.id: "" for problem in PROBLEMS})
+            row.update({problem.id: "" for problem in problems})
             row["total"] = ""
             row["status"] = f"not graded: {reason}"
         rows.append(row)
     with open(out / "class.csv", "w", newline="") as handle:
-        writer = csv.DictWriter(handle, fieldnames=["student", *(p.id for p in PROBLEMS), "total", "status"])
+        writer = csv.DictWriter(handle, fieldnames=["student", *(p.id for p in problems), "total", "status"])
         writer.writeheader()
         writer.writerows(rows)
     return rows
 
 
-def summary(rows: list[dict]) -> str:
+def summary(rows: list[dict], problems: list[Problem]) -> str:
     graded = [r for r in rows if r["status"] == "graded"]
     lines = [f"{len(rows)} submissions: {len(graded)} graded, {len(rows) - len(graded)} not graded"]
     if graded:
         totals = [float(r["total"]) for r in graded]
         lines.append(f"total: mean {statistics.mean(totals):.2f}, median {statistics.median(totals):.2f}, "
                      f"min {min(totals):g}, max {max(totals):g}")
-        for problem in PROBLEMS:
+        for problem in problems:
             scores = [float(r[problem.id]) for r in graded]
             lines.append(f"{problem.id}: mean {statistics.mean(scores):.2f} of {problem.max_points:g}")
     lines += [f"{r['student']}: {r['status']}" for r in rows if r["status"] != "graded"]
@@ -143,14 +153,17 @@ def summary(rows: list[dict]) -> str:
 
 def grade_all(submissions_dir: Path, out: Path, reference: str, options: ClusterOptions, profile: str = "public",
               pytest_args: tuple[str, ...] = (), timeout_scale: float = 1.0, isolation: str = "auto",
-              allow_unisolated: bool = False, report=print) -> list[dict]:
+              allow_unisolated: bool = False, problem_ids: list[str] | None = None, report=print) -> list[dict]:
+    """Grade the submissions that need it and write class.csv and summary.txt for the problems in `problem_ids`
+    (all of them when None), which must be the problems `pytest_args` selects."""
+    problems = selected_problems(problem_ids)
     out.mkdir(parents=True, exist_ok=True)
     submissions = submissions_in(submissions_dir, out)
     stale = [s for s in submissions if not s.up_to_date()]
     report(f"{len(submissions)} submissions, {len(submissions) - len(stale)} already graded and unchanged")
     grade(stale, reference, options, out, profile, pytest_args, timeout_scale, isolation, allow_unisolated, report)
-    rows = write_class_csv(submissions, out)
-    text = summary(rows)
+    rows = write_class_csv(submissions, out, problems)
+    text = summary(rows, problems)
     (out / "summary.txt").write_text(text + "\n")
     report(text)
     report(f"class table: {out / 'class.csv'}")
