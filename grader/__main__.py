@@ -12,16 +12,23 @@ import os
 import sys
 from pathlib import Path
 
+from assignment.registry import BY_ID
 from grader.cluster.jobs import ClusterOptions, default_executor
 
 
 def problem_selection(problems: str | None, select: str | None) -> tuple[list[str] | None, tuple[str, ...]]:
     """`--problems kernels.softmax,parallel.ddp` -> those ids, and the pytest -k expression that selects them (and
-    the tests matching `--select`, a further -k expression)."""
+    the tests matching `--select`, a further -k expression). Raises ValueError for an id the registry lacks.
+
+    -k matches substrings, so each problem is named by its test file's name: `test_parallel_ddp.py` is in no other
+    problem's node ids, where `parallel_ddp` would also select every test of `parallel.ddp_bucketed`."""
     ids = [p.strip() for p in problems.split(",") if p.strip()] if problems else None
+    unknown = [i for i in ids or () if i not in BY_ID]
+    if unknown:
+        raise ValueError(f"unknown problem {', '.join(unknown)} (known: {', '.join(BY_ID)})")
     clauses = []
     if ids:
-        clauses.append(" or ".join(i.replace(".", "_") for i in ids))
+        clauses.append(" or ".join(Path(BY_ID[i].test_module).name for i in ids))
     if select:
         clauses.append(select)
     return ids, ("-k", " and ".join(f"({c})" for c in clauses)) if clauses else ()
@@ -101,7 +108,10 @@ def main(argv: list[str] | None = None) -> int:
         return check_isolation()
     if args.isolation == "none" and not args.allow_unisolated:
         parser.error("--isolation none lets student code read and rewrite results: add --allow-unisolated to insist")
-    problem_ids, pytest_args = problem_selection(args.problems, args.select)
+    try:
+        problem_ids, pytest_args = problem_selection(args.problems, args.select)
+    except ValueError as error:
+        parser.error(str(error))
     reference = reference_path(args.reference)
     if args.command == "submit":
         from grader.cluster.submit import exit_status, submit

@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 
 from assignment.registry import PROBLEMS
+from grader.__main__ import problem_selection
 from grader.cluster.grade_all import Submission, selected_problems, summary, write_class_csv
 from grader.cluster.jobs import ClusterOptions, make_executor
 from tests.grading import ROOT, run_grader
@@ -205,3 +206,19 @@ def test_class_table_has_a_column_for_each_selected_problem_only(tmp_path):
     assert "parallel.ddp" not in text
     assert len(selected_problems(None)) == len(PROBLEMS)
 
+
+def test_problems_select_exactly_their_own_tests():
+    """-k matches substrings: `--problems parallel.ddp` must not grade `parallel.ddp_bucketed` too."""
+    problem_ids, pytest_args = problem_selection("parallel.ddp,moe.router", None)
+    collected = subprocess.run(
+        [sys.executable, "-m", "pytest", "grader", "--collect-only", "-q", "-p", "no:cacheprovider", *pytest_args],
+        cwd=ROOT, capture_output=True, text=True, timeout=300)
+    files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
+    assert files == {"grader/test_parallel_ddp.py", "grader/test_moe_router.py"}, collected.stdout + collected.stderr
+    assert problem_ids == ["parallel.ddp", "moe.router"]
+
+
+def test_an_unknown_problem_is_refused_before_anything_is_graded(tmp_path):
+    done = grader_cli("grade-all", str(tmp_path), "--out", str(tmp_path / "out"), "--problems", "kernels.sofmax")
+    assert done.returncode == 2 and "unknown problem kernels.sofmax" in done.stderr, done.stdout + done.stderr
+    assert not (tmp_path / "out").exists()
