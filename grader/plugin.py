@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import re
+import shlex
 import shutil
 import tempfile
 import time
@@ -15,13 +17,15 @@ import pytest
 
 from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
-from grader import backend, profiles, reference_lock, seal
+from grader import backend, budget, outer_timeout, profiles, reference_lock, seal, stubs
 from grader.cluster.snapshot import snapshot
 from grader.distributed.launcher import RankJob, launcher_for
 from grader.context import Context, current, secret_seed, set_current, take_secret_seed
 from grader.outcomes import NotImplementedByStudent
+from grader.outer_timeout import pytest_timeout_set_timer  # noqa: F401 - pytest-timeout's hook, owned here
 from grader.packages import PackageSpec, load_problem_module, resolve
-from grader.report import isolation_line, results_json, score_table
+from grader.progress import Progress
+from grader.report import failure_summary, isolation_line, results_json, score_table
 from grader.sandbox import isolation
 from grader.sandbox.client import Sandbox
 from grader.scoring import TestResult, by_problem, classify
@@ -34,12 +38,17 @@ STARTED = pytest.StashKey[float]()
 REFERENCE_HASHES = pytest.StashKey[dict]()
 REFERENCE_MODULES = pytest.StashKey[dict]()
 RESULTS_KEY = pytest.StashKey[object]()
+PROGRESS = pytest.StashKey[Progress]()
+ALL_STUBS = pytest.StashKey[dict]()
 
 __all__ = [
     "pytest_addoption",
     "pytest_configure",
     "pytest_itemcollected",
     "pytest_collection_modifyitems",
+    "pytest_collection_finish",
+    "pytest_report_teststatus",
+    "pytest_timeout_set_timer",
     "pytest_runtest_setup",
     "pytest_runtest_makereport",
     "pytest_terminal_summary",
@@ -55,6 +64,12 @@ __all__ = [
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     group = parser.getgroup("grader")
+    group.addoption("--problem", action="append", default=[],
+                    help="grade only this problem, e.g. --problem moe.router (repeat it, or separate ids by commas, "
+                         "for several)")
+    group.addoption("--details", action="store_true",
+                    help="print every failure in full (by default: the first failure of each problem in full, one "
+                         "line for each other; -v does the same as --details)")
     group.addoption("--impl", default=os.environ.get("GRADER_IMPL", "student_impl"),
                     help="implementation to grade: a directory or an importable package (env GRADER_IMPL)")
     group.addoption("--reference", default=os.environ.get("GRADER_REFERENCE", "reference"),
@@ -124,8 +139,30 @@ def pytest_configure(config: pytest.Config) -> None:
     set_current(Context(profile=profile, impl=impl, reference=reference, device=device, isolation=sandbox,
                         isolation_note=note, impl_copy=private_copy(impl, sandbox)))
     config.stash[RESULTS] = {}
+    config.stash[ALL_STUBS] = {}
     config.stash[GROUP_SIZES] = {}
     config.stash[STARTED] = time.monotonic()
+    if not shows_every_failure(config):
+        # pytest's own failure sections go: the summary prints one line per failure and the first of each problem in
+        # full (see grader.report.failure_summary).
+        config.option.tbstyle = "no"
+        config.option.reportchars = config.option.reportchars.replace("f", "").replace("F", "")
+
+
+def shows_every_failure(config: pytest.Config) -> bool:
+    return config.getoption("--details") or config.getoption("verbose") > 0
+
+
+def selected_problems(config: pytest.Config) -> set[str] | None:
+    """The ids given with --problem (None: no --problem, every collected problem is graded)."""
+    given = [part.strip() for option in config.getoption("--problem") for part in option.split(",") if part.strip()]
+    if not given:
+        return None
+    unknown = [problem_id for problem_id in given if problem_id not in registry.BY_ID]
+    if unknown:
+        raise pytest.UsageError(f"--problem: no problem {', '.join(unknown)}; the problems are "
+                                f"{', '.join(registry.BY_ID)}")
+    return set(given)
 
 
 def private_copy(impl: PackageSpec, sandbox: isolation.Isolation) -> PackageSpec | None:
@@ -157,9 +194,16 @@ def pytest_itemcollected(item: pytest.Item) -> None:
         raise pytest.UsageError(f"{item.nodeid}: test group {group!r} has no points in the registry for {problem.id}")
     sizes = item.config.stash[GROUP_SIZES]
     sizes[(problem.id, group)] = sizes.get((problem.id, group), 0) + 1
+    outer_timeout.mark(item, problem.test_timeout_s * item.config.getoption("--timeout-scale"))
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    wanted = selected_problems(config)
+    if wanted is not None:
+        deselected = [item for item in items if problem_of(item) is None or problem_of(item).id not in wanted]
+        if deselected:
+            config.hook.pytest_deselected(items=deselected)
+            items[:] = [item for item in items if item not in deselected]
     lock_reference(config, items)
     if current().profile != "grading":
         return
@@ -197,7 +241,8 @@ def reference(request: pytest.FixtureRequest, problem: Problem):
     """The reference module, imported in the grader's own process before any student code ran (student code never
     is)."""
     modules = request.config.stash[REFERENCE_MODULES]
-    return modules[problem.id] if problem.id in modules else load_problem_module(current().reference, problem.id)
+    module = modules[problem.id] if problem.id in modules else load_problem_module(current().reference, problem.id)
+    return budget.TimedReference(module, problem.id)
 
 
 @pytest.fixture(scope="module")
@@ -213,6 +258,7 @@ def student(request: pytest.FixtureRequest, problem: Problem):
         forbidden_ops=getattr(request.module, "FORBIDDEN_OPS", ()),
         uses_triton=getattr(request.module, "USES_TRITON", False),
         forbid_torch_data_parallel=problem.family == "parallel",
+        stubs=stubs.stub_functions(context.graded.module_file(problem.id)),
     )
     yield sandbox
     sandbox.stop()
@@ -281,29 +327,53 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     problem = problem_of(item)
     if problem is None:
         return
+    if PROGRESS in item.config.stash:
+        item.config.stash[PROGRESS].test_started(problem.id)
     module_file = current().impl.module_file(problem.id)
     if not module_file.exists():
         raise NotImplementedByStudent(f"not implemented ({module_file} does not exist)")
+    known = item.config.stash[ALL_STUBS]
+    if problem.id not in known:
+        known[problem.id] = stubs.all_stubs(current().graded.module_file(problem.id))
+    if known[problem.id]:
+        raise NotImplementedByStudent("not implemented")  # every function is still the stub: no worker, no ranks
 
 
 @pytest.fixture(autouse=True)
 def student_budget(request: pytest.FixtureRequest) -> None:
     problem = problem_of(request.node)
-    if problem is not None and "student" in request.fixturenames:
-        scale = request.config.getoption("--timeout-scale")
-        request.getfixturevalue("student").begin_test(problem.test_timeout_s * scale)
+    if problem is None:
+        return
+    test_budget = budget.begin(problem.test_timeout_s * request.config.getoption("--timeout-scale"))
+    if "student" in request.fixturenames:
+        request.getfixturevalue("student").begin_test(test_budget)
 
 
 # --- outcomes -------------------------------------------------------------------------------------------------------
 
 
 def reproduce_hint(item: pytest.Item) -> str:
+    """The command that reruns this one test (its node id: file and test, with its parameters)."""
     context = current()
     seed = " with the same GRADER_SECRET_SEED" if context.profile == "grading" else ""
-    return (
-        f"reproduce: pytest grader --impl {context.impl.path} --profile {context.profile}"
-        f" -k '{item.name}'{seed}"
-    )
+    impl = context.impl.path
+    with_impl = "" if impl == Path(item.config.rootpath) / "student_impl" else f" --impl {shlex.quote(shown_path(impl))}"
+    return f"reproduce: pytest {shlex.quote(item.nodeid)}{with_impl} --profile {context.profile}{seed}"
+
+
+def shown_path(path: Path) -> str:
+    try:
+        return str(path.relative_to(Path.cwd()))
+    except ValueError:
+        return str(path)
+
+
+# Hypothesis names a failing test's arguments; the fixtures among them are the grader's handles, not inputs.
+FIXTURE_ARGUMENT = re.compile(r"^\s+(student|reference|ranks|problem|partial_credit)=.*,$")
+
+
+def without_fixture_arguments(notes: list[str]) -> str:
+    return "\n".join(line for note in notes for line in note.splitlines() if not FIXTURE_ARGUMENT.match(line))
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -324,22 +394,56 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     elif report.failed and call.excinfo is not None:
         error = call.excinfo.value
         result.status, result.message = classify(error)
-        notes = "\n".join(getattr(error, "__notes__", []))
+        notes = without_fixture_arguments(getattr(error, "__notes__", []))
         if result.status == "not implemented":
             report.longrepr = result.message
         else:
-            report.longrepr = "\n".join(
+            report.longrepr = result.detail = "\n".join(
                 part for part in (f"[{result.status}] {result.message}", notes, reproduce_hint(item)) if part
             )
     item.config.stash[RESULTS][item.nodeid] = result
+    if PROGRESS in item.config.stash:
+        item.config.stash[PROGRESS].test_finished(problem.id, result.status)
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    totals: dict[str, int] = {}
+    for item in session.items:
+        problem = problem_of(item)
+        if problem is not None:
+            totals[problem.id] = totals.get(problem.id, 0) + 1
+    if totals and session.config.getoption("verbose") <= 0:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        session.config.stash[PROGRESS] = Progress(reporter, totals)
+        if reporter is not None:
+            reporter.showfspath = False  # the progress line names the problem
+        session.config.option.console_output_style = "classic"  # no percentages: the progress lines count
+
+
+def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
+    """A stub's failure is filed as "not implemented", not "failed", so pytest prints no failure section for it; and
+    while the progress lines count graded tests, pytest prints no letter per test."""
+    result = config.stash.get(RESULTS, {}).get(report.nodeid)
+    if result is None or not (report.when == "call" or report.failed or report.skipped):
+        return None
+    quiet = PROGRESS in config.stash
+    if report.failed and result.status == "not implemented":
+        return "not implemented", "" if quiet else "n", "" if quiet else "NOT IMPLEMENTED"
+    return (report.outcome, "", "") if quiet else None
 
 
 def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Config) -> None:
     results = list(config.stash.get(RESULTS, {}).values())
     if not results:
         return
-    terminalreporter.section("score")
     context = current()
+    if not shows_every_failure(config):
+        failed = [result for result in results if result.status not in ("passed", "skipped", "not implemented")]
+        if failed:
+            terminalreporter.section("failures")
+            for line in failure_summary(failed):
+                terminalreporter.write_line(line)
+    terminalreporter.section("score")
     terminalreporter.write_line(f"impl: {context.impl.path}   profile: {context.profile}   device: {context.device}")
     for line in score_table(by_problem(results), isolation_line(context.isolation.level, context.isolation_note)):
         terminalreporter.write_line(line)

@@ -6,7 +6,7 @@ import platform
 
 import torch
 
-from grader.scoring import ProblemScore, TestResult
+from grader.scoring import ProblemScore, TestResult, by_problem
 
 REASON_WIDTH = 90
 
@@ -20,14 +20,40 @@ def isolation_line(level: str, note: str = "") -> str:
     return f"isolation: {level}" + (f" ({note})" if note else "")
 
 
+def failure_summary(failed: list[TestResult]) -> list[str]:
+    """Before the score table: for each problem, its first failure in full, then one line for each other failure."""
+    lines = []
+    for score in by_problem(failed):
+        first, *others = score.results
+        lines += [f"{score.problem.id}: {first.nodeid}", *("    " + line for line in first.detail.splitlines())]
+        for result in others:
+            lines.append(f"{score.problem.id}: {result.nodeid}  {result.status}: {one_line(result.message)}")
+        lines.append("")
+    if lines:
+        lines.append("(the first failure of each problem is shown in full; --details shows every one)")
+    return lines
+
+
+def one_line(text: str, width: int = REASON_WIDTH) -> str:
+    first = text.strip().splitlines()[0] if text.strip() else ""
+    return first if len(first) <= width else first[: width - 3] + "..."
+
+
+def skipped_notes(scores: list[ProblemScore]) -> list[str]:
+    """Why points were not graded here, one line per problem and reason (e.g. bf16 needs a GPU)."""
+    notes: dict[tuple[str, str], float] = {}
+    for score in scores:
+        for result in score.results:
+            if result.status == "skipped":
+                key = (score.problem.id, one_line(result.message))
+                notes[key] = notes.get(key, 0.0) + result.share
+    return [f"not graded here: {problem_id}, {points(share)} points: {why}" for (problem_id, why), share in notes.items()]
+
+
 def score_table(scores: list[ProblemScore], isolation: str = "") -> list[str]:
     rows = [("problem", "status", "points", "reason")]
     for score in scores:
-        reason = score.reason
-        if len(reason) > REASON_WIDTH:
-            reason = reason[: REASON_WIDTH - 3] + "..."
-        if score.skipped_points and not reason:
-            reason = next(r.short_reason for r in score.results if r.status == "skipped")
+        reason = one_line(score.reason)
         rows.append(
             (score.problem.id, score.status, f"{points(score.score)}/{points(score.max_score)}", reason)
         )
@@ -42,7 +68,7 @@ def score_table(scores: list[ProblemScore], isolation: str = "") -> list[str]:
         if index in (1, len(rows) - 1):
             lines.append("-" * (sum(widths) + 6 + 20))
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
-    return lines + ([isolation] if isolation else [])
+    return lines + skipped_notes(scores) + ([isolation] if isolation else [])
 
 
 def machine_description() -> dict:

@@ -8,7 +8,7 @@ from assignment.registry import Problem
 from grader.outcomes import GradingFailure, StudentAbort
 
 # A problem's status is the first of these that any of its tests has (skipped only if every test was skipped).
-STATUS_ORDER = ("crashed", "timed out", "failed", "not implemented", "passed", "skipped")
+STATUS_ORDER = ("crashed", "timed out", "timed out (grader)", "failed", "not implemented", "passed", "skipped")
 
 
 @dataclass
@@ -21,6 +21,7 @@ class TestResult:
     message: str = ""
     duration_s: float = 0.0
     fraction: float = 1.0  # of the share a passed test earns: below 1 for a speed test in a lower tier
+    detail: str = ""  # a failure in full: status, message, the failing input, how to reproduce it
 
     @property
     def score(self) -> float:
@@ -73,7 +74,7 @@ class ProblemScore:
 
     @property
     def reason(self) -> str:
-        for status in STATUS_ORDER[:4]:
+        for status in STATUS_ORDER[: STATUS_ORDER.index("not implemented") + 1]:
             for result in self.results:
                 if result.status == status:
                     return result.short_reason

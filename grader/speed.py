@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from assignment.registry import SpeedThreshold
+from grader.budget import untimed
 from grader.outcomes import WrongAnswer
 from grader.timing import Timer, sample
 
@@ -116,7 +117,7 @@ class SpeedSpec:
 
     def run(self, student, reference_module, case: tuple, threshold: SpeedThreshold, seed: int | None = None):
         shape, dtype = case
-        return measure(student, self.function, getattr(reference_module, self.function), self.baseline, self.inputs,
+        return measure(student, self.function, getattr(untimed(reference_module), self.function), self.baseline, self.inputs,
                        case, threshold, getattr(torch, dtype), seed=seed, harness=self.harness)
 
 

@@ -18,6 +18,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from grader.budget import TestBudget
 from grader.outcomes import (
     NotImplementedByStudent,
     RuleViolation,
@@ -83,8 +84,12 @@ class Sandbox:
         forbidden_ops: tuple[str, ...] = (),
         uses_triton: bool = False,
         forbid_torch_data_parallel: bool = False,
+        stubs: frozenset[str] = frozenset(),
     ):
         self.problem_id = problem_id
+        # Functions still the stub (grader.stubs), and any that raised NotImplementedError since: calling one again
+        # cannot give anything else, so it is answered here, without a round trip.
+        self.not_implemented = set(stubs)
         self.isolation = isolation
         self.mounts = Mounts(impl_dir=impl.path)
         self.start_message = {
@@ -97,7 +102,7 @@ class Sandbox:
         }
         self.call_timeout_s = call_timeout_s
         self.uses_triton = uses_triton
-        self.deadline: float | None = None
+        self.budget: TestBudget | None = None
         self.process: subprocess.Popen | None = None
         self.connection: Connection | None = None
         self.log = Path(tempfile.mkstemp(prefix=f"worker-{problem_id}-", suffix=".log")[1])
@@ -134,9 +139,13 @@ class Sandbox:
             kill_group(self.process)
             self.process = None
 
-    def begin_test(self, test_timeout_s: float) -> None:
-        """Every test has a budget of student time; calls after it is spent time out at once."""
-        self.deadline = time.monotonic() + test_timeout_s
+    def begin_test(self, budget: TestBudget) -> None:
+        """Every test has a budget of student time (see grader.budget); calls after it is spent time out at once."""
+        self.budget = budget
+
+    def __repr__(self) -> str:
+        # Hypothesis prints a failing test's arguments: name the problem, not a process handle.
+        return f"<student {self.problem_id}>"
 
     @contextlib.contextmanager
     def describing(self, inputs: str):
@@ -162,7 +171,7 @@ class Sandbox:
         """Like call, with what the worker observed: Triton launches, forbidden operators, gradients."""
         what = f"{function}()"
         reply = self.request(
-            {"op": "call", "function": function, "args": list(args), "kwargs": kwargs, "grad": grad}, what
+            {"op": "call", "function": function, "args": list(args), "kwargs": kwargs, "grad": grad}, what, function
         )
         self.enforce_rules(reply, what)
         return reply
@@ -192,6 +201,7 @@ class Sandbox:
             {"op": "time", "function": function, "inputs": inputs, "case": list(case), "seed": seed,
              "check_rules": check_rules, "harness": harness},
             what,
+            function,
         )
         self.enforce_rules(reply, what)
         return reply["value"]
@@ -202,7 +212,8 @@ class Sandbox:
     def raises(self, function: str, *args, **kwargs) -> StudentError | None:
         """What the student's `function(*args, **kwargs)` raised (None if it returned)."""
         try:
-            self.request({"op": "call", "function": function, "args": list(args), "kwargs": kwargs}, f"{function}()")
+            self.request({"op": "call", "function": function, "args": list(args), "kwargs": kwargs}, f"{function}()",
+                         function)
         except StudentError as error:
             return error
         return None
@@ -211,28 +222,37 @@ class Sandbox:
         """Run grader code `module:function(student_module, *args, **kwargs)` inside the worker."""
         return self.request({"op": "program", "target": target, "args": list(args), "kwargs": kwargs}, target)["value"]
 
-    def request(self, message: dict, what: str) -> dict:
+    def request(self, message: dict, what: str, function: str | None = None) -> dict:
+        """Send one request and wait for its reply; `function` names the student function it calls, if it is one."""
+        if function in self.not_implemented:
+            raise NotImplementedByStudent("not implemented")
+        timeout, limit = self.call_timeout_s, f"within {self.call_timeout_s:.0f} s"
+        if self.budget is not None and self.budget.remaining_s() < timeout:
+            timeout, limit = self.budget.remaining_s(), f"before {self.budget.spent_message()}"
+        if timeout <= 0:
+            raise StudentTimedOut(f"{what} was not started: {self.budget.spent_message()}")
         if self.process is None:
             self.start()
         self.connection.send_bytes(encode(message))
-        timeout = self.call_timeout_s
-        if self.deadline is not None:
-            timeout = min(timeout, self.deadline - time.monotonic())
-        reply = self.receive(timeout, what)
+        note = self.budget.reference_note(function or what) if self.budget is not None else ""
+        reply = self.receive(timeout, what, limit, note)
         if reply["status"] == "error":
             if reply["kind"] == "not_implemented":
+                if function is not None:
+                    self.not_implemented.add(function)
                 raise NotImplementedByStudent("not implemented")
             raise StudentError(
                 f"{what} raised {reply['message']}\n{reply['traceback']}", tuple(reply["type_names"]), reply["message"]
             )
         return reply
 
-    def receive(self, timeout_s: float, what: str) -> dict:
+    def receive(self, timeout_s: float, what: str, limit: str = "", note: str = "") -> dict:
+        limit = limit or f"within {timeout_s:.0f} s"
         try:
-            ready = timeout_s > 0 and self.connection.poll(timeout_s)
+            ready = self.connection.poll(timeout_s)
             if not ready:
                 self.stop()
-                raise StudentTimedOut(f"{what} did not return within {max(timeout_s, 0):.0f} s (worker killed)")
+                raise StudentTimedOut(f"{what} did not return {limit} (worker killed){note}")
             return decode(self.connection.recv_bytes())
         except (EOFError, OSError, ConnectionError):
             time.sleep(0.2)  # let the process finish dying so its exit status is known
@@ -243,3 +263,8 @@ class Sandbox:
                 f"the worker process running {what} died ({exit_description(code, self.isolation.level == 'bwrap')})"
                 + (f"; its last output:\n{tail}" if tail else "")
             ) from None
+        except BaseException:
+            # Interrupted while the worker was busy (the grader's own time limit, Ctrl-C): its reply would answer
+            # the next request, so the worker goes; the next call starts a fresh one.
+            self.stop()
+            raise
