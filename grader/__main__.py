@@ -17,21 +17,14 @@ from grader.cluster.jobs import ClusterOptions, default_executor
 
 
 def problem_selection(problems: str | None, select: str | None) -> tuple[list[str] | None, tuple[str, ...]]:
-    """`--problems kernels.softmax,parallel.ddp` -> those ids, and the pytest -k expression that selects them (and
-    the tests matching `--select`, a further -k expression). Raises ValueError for an id the registry lacks.
-
-    -k matches substrings, so each problem is named by its test file's name: `test_parallel_ddp.py` is in no other
-    problem's node ids, where `parallel_ddp` would also select every test of `parallel.ddp_bucketed`."""
+    """`--problems kernels.softmax,parallel.ddp` -> those ids, and the pytest arguments that grade exactly them (and
+    only the tests matching `--select`, a -k expression). Raises ValueError for an id the registry lacks."""
     ids = [p.strip() for p in problems.split(",") if p.strip()] if problems else None
     unknown = [i for i in ids or () if i not in BY_ID]
     if unknown:
         raise ValueError(f"unknown problem {', '.join(unknown)} (known: {', '.join(BY_ID)})")
-    clauses = []
-    if ids:
-        clauses.append(" or ".join(Path(BY_ID[i].test_module).name for i in ids))
-    if select:
-        clauses.append(select)
-    return ids, ("-k", " and ".join(f"({c})" for c in clauses)) if clauses else ()
+    arguments = ("--problem", ",".join(ids)) if ids else ()
+    return ids, arguments + (("-k", select) if select else ())
 
 
 def add_common(parser: argparse.ArgumentParser) -> None:
