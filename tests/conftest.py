@@ -13,3 +13,9 @@ use_interpreter_without_gpu()
 
 if shutil.which("bwrap") is None and os.geteuid() == 0:
     subprocess.run([str(Path(__file__).resolve().parents[1] / ".ci" / "bwrap" / "install")], check=True)
+
+
+def pytest_configure(config):
+    # CI's log names the slowest tests of the grader's own suite, which must stay within half of CI's time.
+    if not config.getoption("durations"):
+        config.option.durations = 25
