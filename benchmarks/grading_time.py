@@ -69,7 +69,8 @@ def timed_grade(targets: list[str], results: Path, impl: str, profile: str, time
     statuses = [test.get("status", "skipped") for test in data["tests"]]  # a skipped test carries no status
     return {**row, "score": data["score"], "max_score": sum(test["max_score"] for test in data["tests"]),
             **{status: statuses.count(status) for status in ("passed", "failed", "skipped")},
-            "isolation": data["extra_data"].get("isolation")}
+            "isolation": data["extra_data"].get("isolation"),
+            "problem_s": data["extra_data"].get("problem_seconds", {})}
 
 
 def whole_targets(problems: list[str]) -> list[str]:
@@ -159,7 +160,18 @@ def section(record: dict) -> list[str]:
                        f"max {per_problem[slowest]['wall_s']:.1f} s ({slowest})")
     if WHOLE in rows:
         summary.append(f"whole run: {rows[WHOLE]['wall_s']:.1f} s")
-    return lines + ["", "; ".join(summary), ""]
+    return lines + ["", "; ".join(summary), ""] + within_whole_run(rows.get(WHOLE, {}))
+
+
+def within_whole_run(row: dict) -> list[str]:
+    """Each problem's share of the whole run (first test's start to last test's end), from its results file."""
+    seconds = row.get("problem_s") or {}
+    if not seconds:
+        return []
+    lines = ["| problem | s within the whole run |", "| --- | --- |"]
+    lines += [f"| {problem} | {value:.1f} |" for problem, value in seconds.items()]
+    return lines + ["", f"within the whole run: median {statistics.median(seconds.values()):.1f} s, max "
+                        f"{max(seconds.values()):.1f} s ({max(seconds, key=seconds.get)})", ""]
 
 
 def render(records: dict) -> str:

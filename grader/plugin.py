@@ -40,6 +40,8 @@ REFERENCE_MODULES = pytest.StashKey[dict]()
 RESULTS_KEY = pytest.StashKey[object]()
 PROGRESS = pytest.StashKey[Progress]()
 ALL_STUBS = pytest.StashKey[dict]()
+# Per problem: when its first test started and its last one ended (wall clock, for the results file).
+PROBLEM_SPAN = pytest.StashKey[dict]()
 
 __all__ = [
     "pytest_addoption",
@@ -140,6 +142,7 @@ def pytest_configure(config: pytest.Config) -> None:
                         isolation_note=note, impl_copy=private_copy(impl, sandbox)))
     config.stash[RESULTS] = {}
     config.stash[ALL_STUBS] = {}
+    config.stash[PROBLEM_SPAN] = {}
     config.stash[GROUP_SIZES] = {}
     config.stash[STARTED] = time.monotonic()
     if not shows_every_failure(config):
@@ -327,6 +330,7 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     problem = problem_of(item)
     if problem is None:
         return
+    item.config.stash[PROBLEM_SPAN].setdefault(problem.id, [time.monotonic(), time.monotonic()])
     if PROGRESS in item.config.stash:
         item.config.stash[PROGRESS].test_started(problem.id)
     module_file = current().impl.module_file(problem.id)
@@ -381,6 +385,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
     outcome = yield
     report: pytest.TestReport = outcome.get_result()
     problem = problem_of(item)
+    if problem is not None and problem.id in item.config.stash[PROBLEM_SPAN]:
+        item.config.stash[PROBLEM_SPAN][problem.id][1] = time.monotonic()
     if problem is None or (report.when != "call" and report.passed) or report.when == "teardown":
         return
     share = problem.points[group_of(item)] / item.config.stash[GROUP_SIZES][(problem.id, group_of(item))]
@@ -473,7 +479,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     if not path:
         return
     results = list(config.stash[RESULTS].values())
-    extra = {"profile": context.profile, "impl": str(context.impl.path), "device": str(context.device),
+    spans = config.stash[PROBLEM_SPAN]
+    extra = {"problem_seconds": {problem_id: round(end - start, 2) for problem_id, (start, end) in spans.items()},
+             "profile": context.profile, "impl": str(context.impl.path), "device": str(context.device),
              "isolation": context.isolation.level}
     data = results_json(results, by_problem(results), time.monotonic() - config.stash[STARTED], extra,
                         isolation_line(context.isolation.level, context.isolation_note))
