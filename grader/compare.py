@@ -25,6 +25,18 @@ def _where(index: int, shape: torch.Size) -> tuple[int, ...]:
     return tuple(reversed(coords))
 
 
+# Outputs this small are printed whole in a failure: a student sees every value, not only the worst one.
+SHOWN_WHOLE = 16
+
+
+def whole_values(actual: torch.Tensor, expected: torch.Tensor) -> str:
+    if actual.numel() > SHOWN_WHOLE:
+        return ""
+    def listed(values: torch.Tensor) -> str:
+        return str(values.detach().cpu().tolist())
+    return f"\n  got:      {listed(actual)}\n  expected: {listed(expected)}"
+
+
 def check_tensor_form(actual, expected: torch.Tensor, what: str, context: str) -> None:
     """Type, shape, dtype and device, each reported as itself rather than as a numeric mismatch."""
     if not isinstance(actual, torch.Tensor):
@@ -84,6 +96,7 @@ def assert_close(
             f"(relative {relative:.3g}) at {_where(worst, s.shape)}: got {float(s.flatten()[worst]):.6g}, "
             f"expected {expected_value:.6g}; allowed {bound:.3g} = {multiple:g} x reference error "
             f"{reference_error:.3g} + {floor_ulps:g} ulp x scale {scale:.3g} ({context})"
+            + whole_values(s, r64)
         )
 
 
@@ -97,6 +110,7 @@ def assert_equal(actual, expected: torch.Tensor, *, what: str, context: str) -> 
         raise WrongAnswer(
             f"{what}: {int(mismatch.sum())} of {actual.numel()} values differ; first at {where}: "
             f"got {actual.flatten()[index].item()}, expected {expected.flatten()[index].item()} ({context})"
+            + whole_values(actual, expected)
         )
 
 
