@@ -11,6 +11,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 PROFILES = ("ci", "public", "grading")
+# A test's budget of student time is this multiple of the reference's time on the same inputs in the same test, and at
+# least the problem's `test_timeout_s` (see grader.budget).
+REFERENCE_TIME_MULTIPLE = 10.0
 ROOT = Path(__file__).resolve().parent.parent
 
 
@@ -36,7 +39,7 @@ class Problem:
     points: dict[str, float]
     # Hypothesis examples per test, by profile.
     budgets: dict[str, int]
-    # Seconds one call into student code may take, and seconds one whole test may spend in student code.
+    # Seconds one call into student code may take, and the least seconds one whole test may spend in student code.
     call_timeout_s: float = 60.0
     test_timeout_s: float = 300.0
     speed: SpeedThreshold | None = None

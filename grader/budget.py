@@ -3,7 +3,7 @@
 A fixed number of seconds is wrong on every machine but the one it was tuned on: the interpreter on two CPU cores is
 a hundred times slower than a GPU, and the grading profile draws larger inputs than the public one. So each test's
 budget grows with the reference's own time in the grader's process (on the same machine, on the same inputs, in
-the same test): `REFERENCE_MULTIPLE` times it, never less than the problem's floor (`test_timeout_s`). The worker's
+the same test): the registry's `REFERENCE_TIME_MULTIPLE` times it, never less than the problem's floor (`test_timeout_s`). The worker's
 round trips and a student's slower but honest code fit in the multiple; an endless loop still ends at the budget.
 """
 
@@ -13,7 +13,7 @@ import functools
 import time
 import types
 
-REFERENCE_MULTIPLE = 10.0
+from assignment.registry import REFERENCE_TIME_MULTIPLE as REFERENCE_MULTIPLE
 
 
 class TestBudget:

@@ -297,6 +297,7 @@ def template_data(root: Path, registry: ModuleType, source_hash: str) -> dict:
     return {
         "source_sha256": source_hash,
         "profiles": list(registry.PROFILES),
+        "reference_time_multiple": registry.REFERENCE_TIME_MULTIPLE,
         "total_points": sum(problem.max_points for problem in problems),
         "families": families,
     }
