@@ -7,6 +7,7 @@ import os
 import subprocess
 import sys
 import tempfile
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -28,10 +29,12 @@ class GraderRun:
 
 
 def run_grader(impl: str | Path, *pytest_args: str, profile: str = "ci", timeout_s: float = 900,
-               env: dict | None = None, results_path: Path | None = None) -> GraderRun:
+               env: dict | None = None, results_path: Path | None = None,
+               tests: Sequence[str] = ("grader",)) -> GraderRun:
+    """`tests`: what pytest collects, the whole grader or node ids such as grader/test_moe_router.py::test_losses."""
     with tempfile.TemporaryDirectory() as scratch:
         results_path = results_path or Path(scratch) / "results.json"
-        command = [sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
+        command = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
                    "--impl", str(impl), "--profile", profile, "--results-json", str(results_path), *pytest_args]
         completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
                                    env={**os.environ, **(env or {})})
