@@ -1,0 +1,77 @@
+"""The grader fails each deliberately wrong implementation of tests/wrong/ (see tests/mutants.py) in its declared
+test, with a message that names its fault.
+
+Starting `pytest grader` costs seconds before its first test, so the mutants are graded in rounds rather than one
+run each: a round's package holds one mutant of each of several problems, and its one run selects exactly the test
+each of them must fail. That a mutant's verdict rests on its own problem's test alone is the grader's promise that
+nothing one problem's code does changes another problem's results: every round relies on it, and so tests it. Each
+round also checks that no process it started outlives it.
+"""
+
+from __future__ import annotations
+
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+
+from tests import mutants
+from tests.grading import GraderRun, processes_with, run_grader
+
+MUTANTS = mutants.discover()
+# A round's limit: the grader's start, then the slowest mutants' share (a failure is shrunk by replaying its test).
+START_S, PER_MUTANT_S = 120, 120
+
+
+@dataclass
+class GradedRound:
+    run: GraderRun
+    survivors: list[int]  # processes of the run still alive after it
+
+
+def grade(members: list[mutants.Mutant], package: Path) -> GradedRound:
+    mutants.materialise(members, package)
+    marker = uuid.uuid4().hex
+    run = run_grader(package, *members[0].grader_args, tests=[mutant.node_id for mutant in members],
+                     env={"MUTANT_ROUND": marker}, timeout_s=START_S + PER_MUTANT_S * len(members))
+    return GradedRound(run, processes_with(marker))
+
+
+@pytest.fixture(scope="module")
+def round_of(request, tmp_path_factory):
+    """The graded round of a mutant. Rounds are formed from the mutants this session selected (so `-k` one mutant
+    grades that one alone), each graded when the first of its mutants asks for it."""
+    selected = [item.callspec.params["mutant"] for item in request.session.items if item.parent is request.node]
+    rounds = mutants.rounds(selected)
+    graded: dict[int, GradedRound] = {}
+
+    def of(mutant: mutants.Mutant) -> GradedRound:
+        number = next(number for number, members in enumerate(rounds) if mutant in members)
+        if number not in graded:
+            graded[number] = grade(rounds[number], tmp_path_factory.mktemp(f"round{number}_"))
+        return graded[number]
+
+    return of
+
+
+def case(mutant: mutants.Mutant):
+    not_caught = pytest.mark.xfail(strict=True, raises=AssertionError, reason=mutant.xfail)
+    return pytest.param(mutant, id=mutant.id, marks=[not_caught] if mutant.xfail else [])
+
+
+# In the order of their rounds, so that the report follows the grader runs.
+@pytest.mark.parametrize("mutant", [case(mutant) for members in mutants.rounds(MUTANTS) for mutant in members])
+def test_grader_fails_mutant_for_its_fault(mutant, round_of):
+    graded = round_of(mutant)
+    name = f"{mutant.problem} :: {mutant.test}"
+    entry = next((test for test in graded.run.results["tests"] if test["name"] == name), None)
+    assert entry is not None, f"{name} did not run:\n{graded.run.output[-3000:]}"
+    message = entry["output"]
+    assert entry.get("status") == "failed", f"{name} passed for {mutant.id} ({mutant.why}): {message}"
+    assert message.startswith(mutant.status), f"{name}: expected status {mutant.status!r}, got: {message}"
+    missing = [fragment for fragment in mutant.fragments if fragment.lower() not in message.lower()]
+    assert not missing, f"{name} failed without naming {missing}:\n{message}"
+    if mutant.any_of:
+        assert any(word.lower() in message.lower() for word in mutant.any_of), f"none of {mutant.any_of} in:\n{message}"
+    assert not graded.survivors, f"processes {graded.survivors} of {mutant.id}'s round outlived its grader run"
