@@ -12,7 +12,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-WRONG = Path(__file__).resolve().parent / "wrong"
 
 
 @dataclass
@@ -41,14 +40,6 @@ def run_grader(impl: str | Path, *pytest_args: str, profile: str = "ci", timeout
         output = completed.stdout + completed.stderr
         assert results_path.exists(), f"the grader wrote no results file:\n{output}"
         return GraderRun(completed.returncode, output, json.loads(results_path.read_text()))
-
-
-def wrong_impl(problem_id: str, variant: str) -> Path:
-    """A deliberately wrong implementation package: tests/wrong/<family>_<name>/<variant>/<family>/<name>.py."""
-    family, name = problem_id.split(".")
-    path = WRONG / f"{family}_{name}" / variant
-    assert (path / family / f"{name}.py").exists(), f"no wrong implementation at {path}"
-    return path
 
 
 def assert_fails_for(run: GraderRun, problem_id: str, test: str, *fragments: str, status: str = "failed") -> None:
