@@ -2,7 +2,9 @@
 
 A mutant is a folder tests/wrong/<family>_<name>/<variant>/ holding two files:
 
-- change.diff: a unified diff against reference/<family>/<name>.py that puts one bug into it;
+- change.diff: a unified diff that puts one bug into reference/<family>/<name>.py or, when expect.toml names a
+  `based_on` mutant of the same problem, into that mutant's module (wrong implementations of one problem are mostly
+  one student's code with a different bug, so each is stored against its nearest sibling: a few lines each);
 - expect.toml: what grading it must show. `test` is the grader test that must fail (its node id after `::`),
   `fragments` words its message must all contain, `any_of` words one of which it must contain, `status` the status
   it must fail with ("failed" unless given), `grader_args` extra arguments its grader run needs, `xfail` why the
@@ -29,7 +31,7 @@ REFERENCE = ROOT / "reference"
 PROBLEM_OF_FOLDER = {problem.id.replace(".", "_"): problem.id for problem in PROBLEMS}  # "moe_router": "moe.router"
 DIFF = "change.diff"
 EXPECT = "expect.toml"
-EXPECT_KEYS = {"why", "test", "fragments", "any_of", "status", "grader_args", "xfail"}
+EXPECT_KEYS = {"why", "test", "fragments", "any_of", "status", "grader_args", "xfail", "based_on"}
 HUNK_HEADER = re.compile(r"@@ -(\d+)(?:,(\d+))? \+(\d+)(?:,(\d+))? @@")
 
 
@@ -44,6 +46,7 @@ class Mutant:
     status: str = "failed"
     grader_args: tuple[str, ...] = ()
     xfail: str = ""
+    based_on: str = ""  # the sibling mutant its diff applies to ("": the reference)
 
     @property
     def id(self) -> str:
@@ -62,9 +65,14 @@ class Mutant:
     def node_id(self) -> str:
         return f"grader/test_{self.problem.replace('.', '_')}.py::{self.test}"
 
-    def source(self) -> str:
-        reference = (REFERENCE / self.module_path).read_text()
-        return apply_diff(reference, (self.folder / DIFF).read_text(), self.id)
+    def source(self, seen: tuple[str, ...] = ()) -> str:
+        if self.id in seen:
+            raise ValueError(f"{self.id}: its based_on chain comes back to itself ({' -> '.join(seen)})")
+        if self.based_on:
+            base = load(self.folder.parent / self.based_on).source((*seen, self.id))
+        else:
+            base = (REFERENCE / self.module_path).read_text()
+        return apply_diff(base, (self.folder / DIFF).read_text(), self.id)
 
 
 def load(folder: Path) -> Mutant:
