@@ -22,9 +22,14 @@ def test_every_variant_folder_holds_a_diff_and_a_declaration():
         assert files == [mutants.DIFF, mutants.EXPECT], f"{folder.relative_to(ROOT)} holds {files}"
 
 
-def test_every_diff_applies_and_changes_the_reference():
+def test_every_diff_applies_and_changes_the_reference_and_its_base():
+    by_id = {mutant.id: mutant for mutant in MUTANTS}
     for mutant in MUTANTS:
-        assert mutant.source() != (mutants.REFERENCE / mutant.module_path).read_text(), f"{mutant.id} changes nothing"
+        source = mutant.source()
+        assert source != (mutants.REFERENCE / mutant.module_path).read_text(), f"{mutant.id} changes nothing"
+        if mutant.based_on:
+            base = by_id[f"{mutant.problem}/{mutant.based_on}"]
+            assert source != base.source(), f"{mutant.id} is its base {base.id} again"
 
 
 def test_no_mutant_imports_from_its_package():
