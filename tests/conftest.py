@@ -17,5 +17,6 @@ if shutil.which("bwrap") is None and os.geteuid() == 0:
 
 def pytest_configure(config):
     # CI's log names the slowest tests of the grader's own suite, which must stay within half of CI's time.
-    if not config.getoption("durations"):
+    # Only for this suite: a grader run given `--impl tests/...` loads this file too.
+    if not config.getoption("durations") and all(Path(arg).parts[:1] == ("tests",) for arg in config.args):
         config.option.durations = 25
