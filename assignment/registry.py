@@ -636,6 +636,16 @@ PROBLEMS: tuple[Problem, ...] = (
 BY_ID: dict[str, Problem] = {p.id: p for p in PROBLEMS}
 
 
+def problem_ids(text: str) -> list[str]:
+    """The problem ids of a comma-separated list such as "kernels.softmax,moe.router" (the grader's --problem, the
+    cluster's --problems); ValueError names any id the registry lacks."""
+    ids = [part.strip() for part in text.split(",") if part.strip()]
+    unknown = [problem_id for problem_id in ids if problem_id not in BY_ID]
+    if unknown:
+        raise ValueError(f"unknown problem {', '.join(unknown)} (known: {', '.join(BY_ID)})")
+    return ids
+
+
 def use_world_sizes(world_sizes: tuple[int, ...]) -> None:
     """Grade every distributed problem at these numbers of ranks instead of its own, e.g. (4, 8) on an 8-GPU node.
 

@@ -12,17 +12,14 @@ import os
 import sys
 from pathlib import Path
 
-from assignment.registry import BY_ID
+from assignment.registry import problem_ids
 from grader.cluster.jobs import ClusterOptions, default_executor
 
 
 def problem_selection(problems: str | None, select: str | None) -> tuple[list[str] | None, tuple[str, ...]]:
     """`--problems kernels.softmax,parallel.ddp` -> those ids, and the pytest arguments that grade exactly them (and
     only the tests matching `--select`, a -k expression). Raises ValueError for an id the registry lacks."""
-    ids = [p.strip() for p in problems.split(",") if p.strip()] if problems else None
-    unknown = [i for i in ids or () if i not in BY_ID]
-    if unknown:
-        raise ValueError(f"unknown problem {', '.join(unknown)} (known: {', '.join(BY_ID)})")
+    ids = problem_ids(problems or "") or None
     arguments = ("--problem", ",".join(ids)) if ids else ()
     return ids, arguments + (("-k", select) if select else ())
 

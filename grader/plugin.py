@@ -158,14 +158,11 @@ def shows_every_failure(config: pytest.Config) -> bool:
 
 def selected_problems(config: pytest.Config) -> set[str] | None:
     """The ids given with --problem (None: no --problem, every collected problem is graded)."""
-    given = [part.strip() for option in config.getoption("--problem") for part in option.split(",") if part.strip()]
-    if not given:
-        return None
-    unknown = [problem_id for problem_id in given if problem_id not in registry.BY_ID]
-    if unknown:
-        raise pytest.UsageError(f"--problem: no problem {', '.join(unknown)}; the problems are "
-                                f"{', '.join(registry.BY_ID)}")
-    return set(given)
+    try:
+        given = registry.problem_ids(",".join(config.getoption("--problem")))
+    except ValueError as error:
+        raise pytest.UsageError(f"--problem: {error}") from None
+    return set(given) if given else None
 
 
 def private_copy(impl: PackageSpec, sandbox: isolation.Isolation) -> PackageSpec | None:

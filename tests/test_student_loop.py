@@ -97,7 +97,7 @@ def test_problem_option_selects_exactly_that_problem():
                                                                       "grader/test_parallel_ddp.py"}
     done = subprocess.run([sys.executable, "-m", "pytest", "grader", "--problem", "moe.ruoter", "-q"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
-    assert done.returncode != 0 and "no problem moe.ruoter" in done.stdout + done.stderr
+    assert done.returncode != 0 and "unknown problem moe.ruoter" in done.stdout + done.stderr
 
 
 def test_stubs_print_no_failure_sections_and_one_progress_line_per_problem():
