@@ -11,6 +11,7 @@ round also checks that no process it started outlives it.
 from __future__ import annotations
 
 import uuid
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -22,6 +23,10 @@ from tests.grading import GraderRun, processes_with, run_grader
 MUTANTS = mutants.discover()
 # A round's limit: the grader's start, then the slowest mutants' share (a failure is shrunk by replaying its test).
 START_S, PER_MUTANT_S = 120, 120
+# A round keeps one core busy for about two thirds of its time (its grader waits for workers that wait for it), so two
+# rounds at once use both of CI's cores; the grader's time limits follow the reference's time in the same test, so
+# they grow with the load.
+CONCURRENT_ROUNDS = 2
 
 
 @dataclass
@@ -41,18 +46,19 @@ def grade(members: list[mutants.Mutant], package: Path) -> GradedRound:
 @pytest.fixture(scope="module")
 def round_of(request, tmp_path_factory):
     """The graded round of a mutant. Rounds are formed from the mutants this session selected (so `-k` one mutant
-    grades that one alone), each graded when the first of its mutants asks for it."""
+    grades that one alone) and graded CONCURRENT_ROUNDS at a time, in order, from the first mutant's request on."""
     selected = [item.callspec.params["mutant"] for item in request.session.items if item.parent is request.node]
     rounds = mutants.rounds(selected)
-    graded: dict[int, GradedRound] = {}
+    packages = [tmp_path_factory.mktemp(f"round{number}_") for number in range(len(rounds))]
+    with ThreadPoolExecutor(CONCURRENT_ROUNDS) as pool:
+        graded = [pool.submit(grade, members, package) for members, package in zip(rounds, packages)]
 
-    def of(mutant: mutants.Mutant) -> GradedRound:
-        number = next(number for number, members in enumerate(rounds) if mutant in members)
-        if number not in graded:
-            graded[number] = grade(rounds[number], tmp_path_factory.mktemp(f"round{number}_"))
-        return graded[number]
+        def of(mutant: mutants.Mutant) -> GradedRound:
+            return graded[next(number for number, members in enumerate(rounds) if mutant in members)].result()
 
-    return of
+        yield of
+        for future in graded:
+            future.cancel()
 
 
 def case(mutant: mutants.Mutant):

@@ -211,8 +211,18 @@ def log_tail(path: Path, lines: int = 15) -> str:
     return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
 
 
+def last_words(path: Path, lines: int = 15) -> str:
+    """What a dead rank printed last; for a fatal error, the head of Python's dump of its stack, which lists the
+    innermost call first (the frames below it are the grader's own start of the rank)."""
+    text = path.read_text(errors="replace") if path.exists() else ""
+    fatal = text.rfind("Fatal Python error")
+    if fatal < 0:
+        return "\n".join(text.splitlines()[-lines:])
+    return "\n".join(text[fatal:].splitlines()[:lines])
+
+
 def rank_death(run: Path, rank: int, world_size: int, exit_code: int | None) -> str:
-    tail = log_tail(run / "shared" / f"rank{rank}.log")
+    tail = last_words(run / "shared" / f"rank{rank}.log")
     message = f"rank {rank} of {world_size} died ({exit_description(exit_code)}) without a result" + (
         f"; its last output:\n{tail}" if tail else ""
     )

@@ -1,6 +1,6 @@
 """The entry point of one rank: guards, process group, student module, the grader's program, the result file.
 
-Started by `grader.distributed.group` inside the launch's sandbox as `python -m grader.distributed.rank RUN_DIR`, with
+Forked by `grader.distributed.group` inside the launch's sandbox, which calls `main(RUN_DIR)` with
 RANK, WORLD_SIZE and LOCAL_RANK set, and, when the grader gave each rank its own inputs, GRADER_RANK_DATA_FD: a
 descriptor that only this rank holds, read and closed before the process group forms (so before any rank runs student
 code). The grader's program is resolved before the student's module is imported, so replacing it afterwards does not
@@ -14,7 +14,6 @@ import datetime
 import faulthandler
 import importlib
 import os
-import sys
 from pathlib import Path
 
 import torch
@@ -89,13 +88,8 @@ def run_rank(run_dir: str) -> None:
             dist.destroy_process_group()
 
 
-def main() -> None:
+def main(run_dir: str) -> None:
     faulthandler.enable()
-    sys.path.insert(0, str(Path.cwd()))
-    run_rank(sys.argv[1])
+    run_rank(run_dir)
     # Skip interpreter teardown: a student's leftover threads or handles must not hang the exit.
     os._exit(0)
-
-
-if __name__ == "__main__":
-    main()
