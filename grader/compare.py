@@ -29,6 +29,17 @@ def _where(index: int, shape: torch.Size) -> tuple[int, ...]:
 SHOWN_WHOLE = 16
 
 
+def inputs_if_small(**tensors: torch.Tensor) -> str:
+    """", name=[...]" for each input of at most SHOWN_WHOLE elements, to 7 significant digits (the case's seed
+    rebuilds them exactly): a shrunk failing input is read as its values, not only as its shape and seed."""
+    def listed(values) -> str:
+        if isinstance(values, list):
+            return "[" + ", ".join(listed(value) for value in values) + "]"
+        return format(values, ".7g") if isinstance(values, float) else str(values)
+    return "".join(f", {name}={listed(tensor.detach().cpu().double().tolist())}"
+                   for name, tensor in tensors.items() if tensor.numel() <= SHOWN_WHOLE)
+
+
 def whole_values(actual: torch.Tensor, expected: torch.Tensor) -> str:
     if actual.numel() > SHOWN_WHOLE:
         return ""

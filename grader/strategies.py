@@ -15,6 +15,7 @@ import torch
 from hypothesis import strategies as st
 
 from grader import profiles
+from grader.compare import SHOWN_WHOLE, inputs_if_small
 from grader.context import secret_seed
 from grader.profiles import SIZE_SCALE
 
@@ -85,7 +86,7 @@ class TensorCase:
         return (
             f"shape={self.shape}, dtype={str(self.dtype).removeprefix('torch.')}, layout={self.layout}, "
             f"values={self.regime}, seed={self.seed}"
-        )
+        ) + (inputs_if_small(elements=self.make("cpu")) if _product(self.shape) <= SHOWN_WHOLE else "")
 
 
 def tensor_cases(

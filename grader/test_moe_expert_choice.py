@@ -20,7 +20,7 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_equal, assert_raises
+from grader.compare import assert_equal, assert_raises, inputs_if_small
 from grader.context import current
 from grader.moe_routing_checks import compare_floating, compare_gradients, router_term_scales
 from grader.outcomes import WrongAnswer
@@ -132,7 +132,7 @@ class ExpertChoiceCase:
             f"(C={self.capacity(x_TD.shape[0])}), values={values}, x_TD {str(self.x_dtype).removeprefix('torch.')}, "
             f"router_weight_ED {str(self.weight_dtype).removeprefix('torch.')}, "
             f"{'transposed' if self.transposed else 'contiguous'}, seed={self.seed}"
-        )
+        ) + inputs_if_small(x_TD=x_TD)
 
 
 @st.composite

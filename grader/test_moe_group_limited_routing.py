@@ -16,7 +16,7 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_equal, assert_raises
+from grader.compare import assert_equal, assert_raises, inputs_if_small
 from grader.context import current
 from grader.moe_routing_checks import (
     clearly_ordered, compare_floating, compare_gradients, dtype_name, laid_out, reference_gradients,
@@ -113,7 +113,7 @@ class GroupCase:
             f"S={self.group_size}, M={self.groups_per_token}, k={self.k}, route_scale={self.route_scale:g}, "
             f"values={values}, x_TD {dtype_name(self.x_dtype)} {self.x_layout}, "
             f"router_weight_ED {dtype_name(self.weight_dtype)} {self.weight_layout}, seed={self.seed}"
-        )
+        ) + inputs_if_small(x_TD=x_TD)
 
 
 @st.composite

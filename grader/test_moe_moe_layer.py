@@ -19,7 +19,7 @@ from hypothesis import assume, given, strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from assignment.registry import BY_ID
-from grader.compare import assert_raises
+from grader.compare import assert_raises, inputs_if_small
 from grader.context import current
 from grader.marks import gpu_only
 from grader.moe_routing_checks import compare_floating, dtype_name, laid_out, router_term_scales
@@ -115,7 +115,7 @@ class LayerCase:
             f"F={self.shared_hidden}, normalize_topk={self.normalize_topk}, routing={self.routing}, logit scale "
             f"{self.logit_scale:g}, {dtype_name(self.dtype)}, x_TD {self.x_layout} (of {2 * self.tokens} tokens "
             f"drawn, the first {self.tokens} not nearly tied), router float32, seed={self.seed}"
-        )
+        ) + inputs_if_small(x_TD=x_TD)
 
 
 @st.composite

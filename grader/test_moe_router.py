@@ -16,7 +16,7 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_equal, assert_raises
+from grader.compare import assert_equal, assert_raises, inputs_if_small
 from grader.context import current
 from grader.moe_routing_checks import compare_floating, compare_gradients, laid_out, router_term_scales
 from grader.outcomes import WrongAnswer
@@ -115,7 +115,7 @@ class RouterCase:
             f"T={x_TD.shape[0]}, D={self.width}, E={self.experts}, k={self.k}, normalize_topk={self.normalize_topk}, "
             f"values={values}, x_TD {str(self.x_dtype).removeprefix('torch.')} {self.x_layout}, "
             f"router_weight_ED {str(self.weight_dtype).removeprefix('torch.')} {self.weight_layout}, seed={self.seed}"
-        )
+        ) + inputs_if_small(x_TD=x_TD)
 
 
 @st.composite

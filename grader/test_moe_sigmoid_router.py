@@ -15,7 +15,7 @@ import torch
 from hypothesis import assume, given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_equal, assert_raises
+from grader.compare import assert_equal, assert_raises, inputs_if_small
 from grader.context import current
 from grader.moe_routing_checks import (
     clearly_ordered, compare_floating, compare_gradients, dtype_name, laid_out, reference_gradients,
@@ -103,7 +103,7 @@ class SigmoidCase:
             f"values={values}, x_TD {dtype_name(self.x_dtype)} {self.x_layout}, "
             f"router_weight_ED {dtype_name(self.weight_dtype)} {self.weight_layout}, expert_bias_E float32, "
             f"seed={self.seed}"
-        )
+        ) + inputs_if_small(x_TD=x_TD)
 
 
 @st.composite

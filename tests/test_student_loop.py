@@ -148,3 +148,17 @@ def test_timed_reference_counts_function_calls_only():
     assert timed.slow() == 7 and test_budget.reference_s >= 0.05
     assert timed.Thing is module.Thing and budget.untimed(timed) is module
     assert repr(timed) == "<reference moe.fake>"
+
+
+def test_a_small_failing_case_shows_its_values():
+    import torch
+
+    from grader.compare import SHOWN_WHOLE
+    from grader.strategies import TensorCase
+
+    small = TensorCase(shape=(2, 2), dtype=torch.float32, layout="contiguous", regime="normal", seed=5)
+    shown = small.describe().partition("elements=")[2]
+    values = [float(v) for v in shown.replace("[", "").replace("]", "").split(", ")]
+    assert shown.startswith("[[") and values == pytest.approx(small.make("cpu").flatten().tolist(), rel=1e-6)
+    large = TensorCase(shape=(SHOWN_WHOLE + 1,), dtype=torch.float32, layout="contiguous", regime="normal", seed=5)
+    assert "elements=" not in large.describe()
