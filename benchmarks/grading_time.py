@@ -7,7 +7,8 @@ implementation and profile, on this machine.
 Every run is `python -m pytest ... --results-json` in a subprocess, timed from start to exit; scores and test counts
 come from its results file. The grading profile runs with a fixed benchmark seed. Records go to
 benchmarks/results/grading_time.json, keyed by machine, implementation and profile (a record replaced by a new run
-is kept as the new one's "before", which --compare prints next to it), and every record is rendered into
+is kept as the new one's "before", which --compare prints next to it; a run over some problems replaces their rows and
+keeps the others', each row naming the revision it was measured at), and every record is rendered into
 benchmarks/results/grading_time.md.
 """
 
@@ -94,7 +95,9 @@ def measure(problems: list[str], modes: list[str], impl: str, profile: str, time
                 rows.update(pool.map(grade, problems, [[BY_ID[p].test_module] for p in problems]))
         if WHOLE in modes:  # alone, after the others: no problem's run overlaps it
             rows.update([grade(WHOLE, whole_targets(problems))])
-    return rows
+            rows[WHOLE]["problems"] = len(problems)
+    at = revision()
+    return {name: {**row, "revision": at} for name, row in rows.items()}
 
 
 def cpu_model() -> str:
@@ -143,7 +146,7 @@ def section(record: dict) -> list[str]:
         f"## {machine_key(description)}: {record['impl']}, {record['profile']}",
         "",
         f"torch {description['torch']}, triton {description['triton']}, python {description['python']}; "
-        f"{record['date']}, revision {record['revision']}; isolation {isolation or 'unknown'}; "
+        f"{record['date']}, revision {revisions(record)}; isolation {isolation or 'unknown'}; "
         f"timeout scale {record['timeout_scale']:g}; per-problem runs {record['jobs']} at a time",
         "",
         "| problem | score | tests (passed/failed/skipped) | wall s |",
@@ -152,7 +155,8 @@ def section(record: dict) -> list[str]:
     per_problem = {problem: row for problem, row in rows.items() if problem != WHOLE}
     lines += [f"| {problem} | {row_cells(row)} |" for problem, row in per_problem.items()]
     if WHOLE in rows:
-        lines.append(f"| all {len(record['problems'])} in one run | {row_cells(rows[WHOLE])} |")
+        lines.append(f"| all {rows[WHOLE].get('problems', len(record['problems']))} in one run | "
+                     f"{row_cells(rows[WHOLE])} |")
     summary = []
     if per_problem:
         slowest = max(per_problem, key=lambda problem: per_problem[problem]["wall_s"])
@@ -161,6 +165,11 @@ def section(record: dict) -> list[str]:
     if WHOLE in rows:
         summary.append(f"whole run: {rows[WHOLE]['wall_s']:.1f} s")
     return lines + ["", "; ".join(summary), ""] + within_whole_run(rows.get(WHOLE, {}))
+
+
+def revisions(record: dict) -> str:
+    """The revisions the record's rows were measured at (rows kept from an earlier run keep theirs)."""
+    return ", ".join(sorted({row.get("revision", record["revision"]) for row in record["rows"].values()}))
 
 
 def within_whole_run(row: dict) -> list[str]:
@@ -236,7 +245,13 @@ def main() -> None:
         record = {"machine": description, "impl": args.impl, "profile": profile, "date": date, "revision": at,
                   "timeout_scale": args.timeout_scale, "jobs": args.jobs, "problems": problems, "rows": rows}
         if profile in by_profile:
-            record["before"] = {key: value for key, value in by_profile[profile].items() if key != "before"}
+            earlier = by_profile[profile]
+            record["before"] = {key: value for key, value in earlier.items() if key != "before"}
+            kept = {name: {"revision": earlier["revision"], **row} for name, row in earlier["rows"].items()
+                    if name not in rows}
+            merged = {**kept, **rows}
+            record["rows"] = {name: merged[name] for name in [p.id for p in PROBLEMS] + [WHOLE] if name in merged}
+            record["problems"] = [p.id for p in PROBLEMS if p.id in {*earlier["problems"], *problems}]
         by_profile[profile] = record
     RESULTS_JSON.parent.mkdir(parents=True, exist_ok=True)
     RESULTS_JSON.write_text(json.dumps(records, indent=2) + "\n")

@@ -303,9 +303,13 @@ class Ranks:
 
 
 @pytest.fixture(scope="module")
-def ranks(request: pytest.FixtureRequest, problem: Problem) -> Ranks:
+def ranks(request: pytest.FixtureRequest, problem: Problem):
+    """The problem's launcher, kept for its tests (the local one keeps its rank groups) and closed after them."""
     config = request.config
-    return Ranks(problem, launcher_for(config.getoption("--launcher")), config.getoption("--timeout-scale"))
+    launcher = launcher_for(config.getoption("--launcher"))
+    yield Ranks(problem, launcher, config.getoption("--timeout-scale"))
+    if hasattr(launcher, "close"):
+        launcher.close()
 
 
 @pytest.fixture

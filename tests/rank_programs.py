@@ -1,6 +1,8 @@
 """Programs the launcher tests run on several ranks: program(student_module, rank, world_size, *args)."""
 
 import os
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -55,3 +57,11 @@ def own_data_and_what_peers_can_see(student, rank, world_size, rank_data):
         except OSError:
             continue
     return {"own": rank_data, "descriptors_of_peers": open_elsewhere}
+
+
+def rank_zero_leaves_a_daemon(student, rank, world_size, marker):
+    if rank == 0:  # detached: its own session, its parent gone when the rank exits
+        subprocess.Popen([sys.executable, "-c", "import time; time.sleep(3600)"], start_new_session=True,
+                         env={**os.environ, "LEFTOVER": marker})
+    dist.barrier()
+    return rank

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from grader.sandbox import isolation
-from tests.grading import ROOT, assert_fails_for, processes_with, run_grader
+from tests.grading import ATTACKED_AND_BYSTANDER, ROOT, assert_fails_for, processes_with, run_grader
 
 HOSTILE = Path(__file__).resolve().parent / "hostile"
 SECRET_SEED = "918273645"
@@ -54,13 +54,10 @@ def assert_router_unharmed(run) -> None:
     assert router and all(t["status"] == "passed" for t in router), run.output[-3000:]
 
 
-SELECTION = ("-k", "matches_reference_fp32 or router")
-
-
 def test_forged_results_and_their_daemon_are_powerless(tmp_path, reference_copy):
     marker = uuid.uuid4().hex
     results = tmp_path / "results" / "results.json"
-    run = run_grader(hostile_impl(tmp_path, "forges_results"), *SELECTION, "--reference", str(reference_copy),
+    run = run_grader(hostile_impl(tmp_path, "forges_results"), *ATTACKED_AND_BYSTANDER, "--reference", str(reference_copy),
                      results_path=results, env={"HOSTILE_RESULTS_GUESS": str(results), "GRADER_TEST_RUN": marker})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32")
     assert_router_unharmed(run)
@@ -72,7 +69,7 @@ def test_forged_results_and_their_daemon_are_powerless(tmp_path, reference_copy)
 
 def test_reference_cannot_be_modified(tmp_path, reference_copy):
     before = (reference_copy / "moe" / "router.py").read_text()
-    run = run_grader(hostile_impl(tmp_path, "modifies_reference"), *SELECTION, "--reference", str(reference_copy),
+    run = run_grader(hostile_impl(tmp_path, "modifies_reference"), *ATTACKED_AND_BYSTANDER, "--reference", str(reference_copy),
                      env={"HOSTILE_REFERENCE_GUESS": str(reference_copy)})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "appended to no reference module")
     assert_router_unharmed(run)
@@ -84,7 +81,7 @@ def test_a_modified_reference_aborts_the_run(tmp_path, reference_copy):
     results = tmp_path / "results.json"
     command = [sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider", "--profile", "ci",
                "--impl", str(hostile_impl(tmp_path, "modifies_reference")), "--reference", str(reference_copy),
-               "--isolation", "none", "--results-json", str(results), *SELECTION]
+               "--isolation", "none", "--results-json", str(results), *ATTACKED_AND_BYSTANDER]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "HOSTILE_REFERENCE_GUESS": str(reference_copy)})
     assert done.returncode == 3, done.stdout[-3000:]
@@ -111,7 +108,7 @@ def test_one_student_cannot_touch_another(tmp_path):
     out = tmp_path / "out"
     done = subprocess.run(
         [sys.executable, "-m", "grader", "grade-all", str(submissions), "--out", str(out), "--executor", "local",
-         "--parallel", "3", "--profile", "ci", "--problems", "moe.router"],
+         "--parallel", "3", "--profile", "ci", "--problems", "moe.router", "--select", "indices_and_gates"],
         cwd=ROOT, capture_output=True, text=True, timeout=1200, env={**os.environ, "HOSTILE_SCOPE": str(tmp_path)},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -131,7 +128,7 @@ def test_one_student_cannot_touch_another(tmp_path):
     ],
 )
 def test_rules_hold_in_every_thread(tmp_path, variant, fragments):
-    run = run_grader(hostile_impl(tmp_path, variant), *SELECTION)
+    run = run_grader(hostile_impl(tmp_path, variant), *ATTACKED_AND_BYSTANDER)
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", *fragments)
     assert_router_unharmed(run)
 
@@ -143,7 +140,7 @@ def test_ranks_cannot_forge_training_without_communicating(tmp_path):
     impl = tmp_path / "impl"
     shutil.copytree(ROOT / "reference", impl, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(HOSTILE / "fakes_ddp" / "parallel" / "ddp.py", impl / "parallel" / "ddp.py")
-    run = run_grader(impl, "-k", "parallel_ddp and not bucketed or router")
+    run = run_grader(impl, "--problem", "parallel.ddp,moe.router", "-k", "parallel_ddp or indices_and_gates")
     for test in ("broadcast_at_construction", "matches_single_process", "frozen_parameter", "tied_weights"):
         assert_fails_for(run, "parallel.ddp", test)
     outside = [t for t in run.tests_of("parallel.ddp") if "overlaps_backward" not in t["name"]]

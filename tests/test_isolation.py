@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from grader.sandbox import isolation
-from tests.grading import ROOT, assert_fails_for, processes_with, run_grader
+from tests.grading import ATTACKED_AND_BYSTANDER, ROOT, assert_fails_for, processes_with, run_grader
 
 HOSTILE = Path(__file__).resolve().parent / "hostile"
 
@@ -50,7 +50,7 @@ def test_crash_or_hang_costs_only_its_problem(tmp_path, variant, status, fragmen
     started = time.monotonic()
     run = run_grader(
         impl_with_hostile_softmax(tmp_path, variant),
-        "-k", "matches_reference_fp32 or router",
+        *ATTACKED_AND_BYSTANDER,
         "--timeout-scale", "0.1",
     )
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", *fragments, status=status)
@@ -73,7 +73,8 @@ def test_missing_module_costs_only_its_problem(tmp_path):
 
 
 def test_patched_checks_change_no_verdict(tmp_path):
-    run = run_grader(impl_with_hostile_softmax(tmp_path, "patches_checks"), "-k", "matches_reference or router")
+    run = run_grader(impl_with_hostile_softmax(tmp_path, "patches_checks"), "--problem", "kernels.softmax,moe.router",
+                     "-k", "matches_reference or indices_and_gates")
     # Its constant 0.5 is caught as constant, or (where shrinking reaches a one-column row) as out of tolerance.
     for test in ("matches_reference_fp32", "matches_reference_fp16"):
         assert_fails_for(run, "kernels.softmax", test, "softmax(x):")

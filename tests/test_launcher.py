@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 
@@ -88,3 +89,32 @@ def test_each_rank_receives_only_its_own_data():
     for rank, result in enumerate(results):
         assert torch.equal(result["own"], secrets[rank])
         assert result["descriptors_of_peers"] == [], result  # no other rank's descriptor is open anywhere it can look
+
+
+def test_one_group_serves_launches_until_one_times_out():
+    """A launch reuses the implementation's group (forks, not a new sandbox and interpreter); a hang ends the group
+    with its ranks, and the next launch starts a fresh one."""
+    launcher = LocalLauncher()
+    try:
+        launcher.run(job("sum_of_ranks"))
+        (group,) = launcher.groups.values()
+        assert launcher.run(job("sum_of_ranks", 4))[3]["sum"].item() == 10
+        assert list(launcher.groups.values()) == [group] and group.alive()
+        with pytest.raises(StudentTimedOut):
+            launcher.run(job("rank_one_hangs", timeout_s=5))
+        assert not group.alive() and not launcher.groups
+        assert launcher.run(job("sum_of_ranks"))[1]["sum"].item() == 3
+        assert list(launcher.groups.values()) != [group]
+    finally:
+        launcher.close()
+    assert not launcher.groups
+
+
+def test_what_a_launch_leaves_running_is_killed_before_the_next():
+    marker = uuid.uuid4().hex
+    launcher = LocalLauncher()
+    try:
+        assert launcher.run(dataclasses.replace(job("rank_zero_leaves_a_daemon"), args=(marker,))) == [0, 1]
+        assert processes_with(marker) == [], "a detached process of a rank outlived its launch"
+    finally:
+        launcher.close()

@@ -1,22 +1,38 @@
-"""The first process of a launch inside the sandbox: `python -m grader.distributed.group RUN_DIR WORLD_SIZE`.
+"""The first process of launches inside the sandbox: it imports torch once and forks the ranks of each launch.
 
-Grader code, run before any student code. It imports torch, the rank's entry point and the grader's program once, then forks one process per
-rank: a rank started as its own interpreter would pay Python's start and torch's import itself (about 1.5 s of CPU
-each, more where torch loads its CUDA libraries), and the ranks of a launch start together, so on a machine with
-fewer cores than ranks that cost is paid in series. Nothing of torch runs before the fork (no thread pool, no CUDA
-context), so each rank starts as clean as a fresh interpreter. Each rank holds only its own inputs' descriptor; the
-group records each rank's exit status in `rank<r>.exit` and returns when every rank has ended.
+Grader code, run before any student code. A rank started as its own interpreter would pay Python's start and torch's
+import itself (about 1.5 s of CPU each, more where torch loads its CUDA libraries); forked from this process it starts
+in milliseconds. Nothing of torch runs here (no thread pool, no CUDA context), so each rank starts as clean as a fresh
+interpreter. Each rank holds only its own inputs' descriptor; the group records each rank's exit status in
+`rank<r>.exit` of the launch's folder.
+
+Two ways to run it:
+
+- `python -m grader.distributed.group RUN_DIR WORLD_SIZE`: one launch, the ranks' inputs on the descriptors listed in
+  GRADER_RANK_DATA_FDS (started by `grader.distributed.host`, for Slurm and submitit launches).
+- `python -m grader.distributed.group --serve ROOT CONTROL_FD`: many launches, one after another, each requested by
+  the grader on the control socket (a launch folder below ROOT and its world size, with the ranks' inputs as passed
+  descriptors) and answered "done" once every rank has ended and whatever they left running has been killed.
 """
 
 from __future__ import annotations
 
+import ctypes
 import importlib
+import json
 import os
+import signal
+import socket
 import sys
 from pathlib import Path
 
+from grader.sandbox.wire import decode
 
-def start_rank(entry, run: Path, rank: int, world_size: int, data_fds: list[int]) -> int:
+PR_SET_CHILD_SUBREAPER = 36  # linux/prctl.h
+MAX_LEFTOVER_ROUNDS = 50
+
+
+def start_rank(entry, run: Path, rank: int, world_size: int, data_fds: list[int], close_fds: tuple[int, ...]) -> int:
     """Fork rank `rank`, its output going to `rank<r>.log`; return its pid."""
     log = os.open(run / f"rank{rank}.log", os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
     sys.stdout.flush()
@@ -27,9 +43,8 @@ def start_rank(entry, run: Path, rank: int, world_size: int, data_fds: list[int]
         return pid
     status = 1
     try:
-        for other, fd in enumerate(data_fds):
-            if other != rank:
-                os.close(fd)  # from here on, only rank r holds rank r's inputs
+        for fd in (*close_fds, *(fd for other, fd in enumerate(data_fds) if other != rank)):
+            os.close(fd)  # from here on, only rank r holds rank r's inputs, and no rank the group's control socket
         null = os.open(os.devnull, os.O_RDONLY)
         os.dup2(null, 0)
         os.dup2(log, 1)
@@ -44,17 +59,11 @@ def start_rank(entry, run: Path, rank: int, world_size: int, data_fds: list[int]
         os._exit(status)  # only reached if the rank's entry point itself failed
 
 
-def main() -> int:
-    run, world_size = Path(sys.argv[1]), int(sys.argv[2])
-    data_fds = [int(fd) for fd in os.environ.pop("GRADER_RANK_DATA_FDS", "").split(",") if fd]
-    sys.path.insert(0, str(Path.cwd()))
-    # Once, before the forks: torch, the rank's entry point and the module of the grader's program.
-    from grader.distributed import rank as entry
-    from grader.sandbox.wire import decode
-
+def run_launch(entry, run: Path, world_size: int, data_fds: list[int], close_fds: tuple[int, ...] = ()) -> None:
+    """Fork the launch's ranks and wait for them, writing each one's exit status as it ends."""
+    # The grader's program is imported before the forks too (once per module: later launches find it imported).
     importlib.import_module(decode((run / "job.pt").read_bytes())["program"].partition(":")[0])
-
-    rank_of = {start_rank(entry, run, rank, world_size, data_fds): rank for rank in range(world_size)}
+    rank_of = {start_rank(entry, run, rank, world_size, data_fds, close_fds): rank for rank in range(world_size)}
     for fd in data_fds:
         os.close(fd)
     while rank_of:  # in the order they end: a rank that died early is known while its peers still wait
@@ -63,6 +72,59 @@ def main() -> int:
             temporary = run / f"rank{rank_of[pid]}.exit.partial"
             temporary.write_text(str(os.waitstatus_to_exitcode(status)))
             temporary.rename(run / f"rank{rank_of.pop(pid)}.exit")
+
+
+def parent_of(pid: str) -> int | None:
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return None
+    return int(stat[stat.rindex(")") + 2:].split()[1])  # the fields after the command's name: state, parent, ...
+
+
+def end_leftovers() -> None:
+    """Kill every process the ranks left running. As a subreaper this process inherits their orphans, so each round
+    finds its own children, kills them, and takes over theirs in the next."""
+    me = os.getpid()
+    for _ in range(MAX_LEFTOVER_ROUNDS):
+        children = [int(pid) for pid in os.listdir("/proc") if pid.isdigit() and parent_of(pid) == me]
+        if not children:
+            return
+        for pid in children:
+            try:
+                os.kill(pid, signal.SIGKILL)
+                os.waitpid(pid, 0)
+            except (ProcessLookupError, ChildProcessError):
+                pass
+
+
+def serve(root: Path, control: socket.socket, entry) -> None:
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0)
+    while True:
+        try:
+            message, data_fds, _, _ = socket.recv_fds(control, 4096, 64)
+        except OSError:
+            return
+        if not message:
+            return  # the grader closed its end: no more launches
+        request = json.loads(message)
+        run_launch(entry, root / request["launch"], request["world_size"], data_fds, close_fds=(control.fileno(),))
+        end_leftovers()
+        control.sendall(b"done")
+
+
+def main() -> int:
+    sys.path.insert(0, str(Path.cwd()))
+    from grader.distributed import rank as entry  # with torch: once, before any fork
+
+    for module in entry.PRELOADED:
+        importlib.import_module(module)
+
+    if sys.argv[1] == "--serve":
+        serve(Path(sys.argv[2]), socket.socket(fileno=int(sys.argv[3])), entry)
+        return 0
+    data_fds = [int(fd) for fd in os.environ.pop("GRADER_RANK_DATA_FDS", "").split(",") if fd]
+    run_launch(entry, Path(sys.argv[1]), int(sys.argv[2]), data_fds)
     return 0
 
 

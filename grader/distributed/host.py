@@ -17,6 +17,17 @@ from pathlib import Path
 from grader.sandbox.isolation import Isolation, Mounts, physical_memory
 
 
+def rank_data_fds(run: Path, world_size: int) -> list[int]:
+    """Each rank's own inputs, opened and then removed, so that they exist only as the descriptors handed on."""
+    fds = []
+    for rank in range(world_size):
+        path = run / "private" / f"rank{rank}.data.pt"
+        if path.exists():
+            fds.append(os.open(path, os.O_RDONLY))
+            path.unlink()
+    return fds
+
+
 def main() -> int:
     run = Path(sys.argv[1])
     host = json.loads((run / "private" / "host.json").read_text())
@@ -26,12 +37,7 @@ def main() -> int:
                           disable_userns=host["disable_userns"])
     shared = run / "shared"
     isolation.grant(shared)
-    data_fds = []
-    for rank in range(host["world_size"]):
-        path = run / "private" / f"rank{rank}.data.pt"
-        if path.exists():
-            data_fds.append(os.open(path, os.O_RDONLY))
-            path.unlink()
+    data_fds = rank_data_fds(run, host["world_size"])
     impl = Path(host["impl"]["path"])
     mounts = Mounts(impl_dir=impl, run_dir=shared, extra_code=tuple(Path(p) for p in host["extra_code"]))
     env = {"GRADER_IMPL_DIR": str(isolation.impl_path(impl)), "GRADER_RANK_DATA_FDS": ",".join(map(str, data_fds))}

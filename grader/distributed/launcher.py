@@ -32,9 +32,10 @@ from pathlib import Path
 import torch
 
 from grader.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
+from grader.distributed.host import rank_data_fds
 from grader.packages import PackageSpec
-from grader.sandbox.client import exit_description
-from grader.sandbox.isolation import SECRET_VARIABLES
+from grader.sandbox.client import exit_description, kill_group
+from grader.sandbox.isolation import SECRET_VARIABLES, Isolation, Mounts, physical_memory
 from grader.sandbox.wire import decode, encode
 
 POLL_S = 0.05
@@ -68,18 +69,16 @@ class RankJob:
         return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= self.world_size else "gloo"
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def prepare_run_dir(job: RankJob) -> Path:
+def prepare_run_dir(job: RankJob, shared: Path | None = None) -> Path:
     """A run folder: `private/` (the launch's settings and each rank's own inputs, read by the trusted host process
-    only) and `shared/` (the ranks' job, progress, logs and results: what the sandbox sees)."""
+    only) and `shared/` (the ranks' job, progress, logs and results: what the sandbox sees), or a link to `shared`
+    where a long-lived group's sandbox already sees that folder."""
     run = Path(tempfile.mkdtemp(prefix=f"ranks-{job.problem}-"))
     (run / "private").mkdir()
-    (run / "shared").mkdir()
+    if shared is None:
+        (run / "shared").mkdir()
+    else:
+        (run / "shared").symlink_to(shared)
     backend = job.resolved_backend()
     description = {
         "problem": job.problem,
@@ -91,9 +90,6 @@ def prepare_run_dir(job: RankJob) -> Path:
         "world_size": job.world_size,
         "has_rank_data": job.rank_data is not None,
         "backend": backend,
-        # The ranks of one launch share one sandbox and its loopback; without a sandbox, the machine's.
-        "master_addr": "127.0.0.1",
-        "master_port": 29500 if job.isolation == "bwrap" else free_port(),
         "collective_timeout_s": job.collective_timeout_s,
     }
     (run / "shared" / "job.pt").write_bytes(encode(description))
@@ -231,23 +227,107 @@ def rank_death(run: Path, rank: int, world_size: int, exit_code: int | None) -> 
 
 
 class LocalLauncher:
-    """The ranks as processes on this machine, in one sandbox started by the trusted host process."""
+    """The ranks as processes on this machine, forked by a group process in its sandbox (grader.distributed.group).
+
+    The group outlives its launch: one is started for each implementation (the student's code and the reference's
+    never share one) on its first launch and kept for the next, so a launch costs forks instead of Python's start
+    and torch's import in a new sandbox. Between launches the group kills whatever the ranks left running and the
+    launch's folder is removed. A launch that times out, or after which the group does not report back, ends the
+    group and its sandbox with it, and the next launch starts a fresh one; `close()` ends them all."""
 
     name = "local"
 
+    def __init__(self):
+        self.groups: dict[tuple, RankGroup] = {}
+
     def run(self, job: RankJob) -> list:
-        run = prepare_run_dir(job)
-        with open(run / "host.log", "wb") as log:
-            host = subprocess.Popen(host_command(run), stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
-                                    env=launcher_environment(), start_new_session=True)
+        key = (job.impl, job.resolved_backend(), job.isolation, job.disable_userns, job.extra_code)
+        if key not in self.groups or not self.groups[key].alive():
+            self.groups[key] = RankGroup(job)
+        group = self.groups[key]
+        launch = group.new_launch()
+        run = prepare_run_dir(job, shared=group.shared / launch)
+        (run / "host.log").symlink_to(group.log)  # the sandbox's own complaints, should the group die
+        retired = None
         try:
-            timed_out = wait_for_ranks(lambda: host.poll() is not None, run, job)
+            group.start(launch, job.world_size, rank_data_fds(run, job.world_size))
+            timed_out = wait_for_ranks(lambda: not group.alive(), run, job)
+            if timed_out or not group.reported_back():
+                retired = self.groups.pop(key)
+                retired.stop()  # its sandbox, and every rank still in it, ends here
             return collect(run, job, exit_codes_of(run, job.world_size), timed_out)
         finally:
-            with _ignoring(ProcessLookupError):
-                os.killpg(host.pid, signal.SIGKILL)  # the sandbox dies with the host, every rank with the sandbox
-            host.wait()
+            shutil.rmtree(group.shared / launch, ignore_errors=True)
             shutil.rmtree(run, ignore_errors=True)
+            if retired is not None:
+                retired.close()
+
+    def close(self) -> None:
+        for group in self.groups.values():
+            group.close()
+        self.groups.clear()
+
+
+class RankGroup:
+    """A group process serving launches in one sandbox, and the grader's control socket to it."""
+
+    def __init__(self, job: RankJob):
+        gpu = job.resolved_backend() == "nccl"
+        self.root = Path(tempfile.mkdtemp(prefix=f"rank-group-{job.problem}-"))
+        self.shared = self.root / "shared"
+        self.shared.mkdir()
+        self.log = self.root / "group.log"
+        self.launches = 0
+        # CUDA reserves far more address space than it uses: on a GPU the job's own memory limit applies instead.
+        self.isolation = Isolation(job.isolation, gpu=gpu, address_space_bytes=None if gpu else physical_memory(),
+                                   disable_userns=job.disable_userns)
+        self.isolation.grant(self.shared)
+        mounts = Mounts(impl_dir=job.impl.path, run_dir=self.shared, extra_code=tuple(Path(p) for p in job.extra_code))
+        self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        with open(self.log, "wb") as log:
+            self.process = self.isolation.popen(
+                [sys.executable, "-m", "grader.distributed.group", "--serve", str(self.isolation.run_path(self.shared)),
+                 str(theirs.fileno())],
+                mounts, pass_fds=(theirs.fileno(),), env={"GRADER_IMPL_DIR": str(self.isolation.impl_path(job.impl.path))},
+                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            )
+        theirs.close()
+
+    def alive(self) -> bool:
+        return self.process.poll() is None
+
+    def new_launch(self) -> str:
+        self.launches += 1
+        name = f"launch-{self.launches}"
+        (self.shared / name).mkdir()
+        self.isolation.grant(self.shared / name)
+        return name
+
+    def start(self, launch: str, world_size: int, data_fds: list[int]) -> None:
+        try:
+            socket.send_fds(self.control, [json.dumps({"launch": launch, "world_size": world_size}).encode()], data_fds)
+        except OSError:
+            pass  # the group is gone: the launch then finds no rank, and says so
+        finally:
+            for fd in data_fds:
+                os.close(fd)
+
+    def reported_back(self) -> bool:
+        """Whether the group said it is ready for the next launch (it has reaped the ranks and their leftovers)."""
+        self.control.settimeout(GRACE_S)
+        try:
+            return self.control.recv(16) == b"done"
+        except OSError:
+            return False
+
+    def stop(self) -> None:
+        self.control.close()
+        kill_group(self.process)
+
+    def close(self) -> None:
+        self.stop()
+        self.isolation.close()
+        shutil.rmtree(self.root, ignore_errors=True)
 
 
 def wait_for_ranks(ended, run: Path, job: RankJob) -> bool:
