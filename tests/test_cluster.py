@@ -172,7 +172,7 @@ def test_submit_runs_locally_without_slurm(tmp_path):
                       "--results-json", str(tmp_path / "results.json"), "--profile", "ci",
                       "--problems", "moe.router")
     assert done.returncode == 0, done.stdout + done.stderr
-    assert re.search(r"moe\.router\s+passed\s+5/5", done.stdout)
+    assert re.search(r"moe\.router\s+passed\s+20/20", done.stdout)
     runs = list((tmp_path / "work").iterdir())
     assert len(runs) == 1 and (runs[0] / "erin" / "moe" / "router.py").exists()
 
