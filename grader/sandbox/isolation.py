@@ -3,10 +3,11 @@
 Three levels, chosen with `--isolation` (auto picks the strongest this machine supports, checked by a probe):
 
 - `bwrap`: bubblewrap namespaces. New user, pid, ipc, uts, cgroup and network namespaces (a private loopback, shared
-  by the ranks of one launch); a read-only view of the system and of the Python environment; the grader's worker code
-  (`grader/`, `assignment/`) and a private read-only copy of the student package; a private size-capped `/tmp` and
-  `/dev/shm`; GPU device nodes only when grading on a GPU. The reference, the grader's other files, run folders of
-  other launches, results and keys are not in the sandbox at all, and no grader process is in its pid namespace.
+  by the ranks of one problem's launches of one package); a read-only view of the system and of the Python
+  environment; the grader's worker code (`grader/`, `assignment/`) and a private read-only copy of the student package;
+  a private size-capped `/tmp` and `/dev/shm`; GPU device nodes only when grading on a GPU. The reference, the grader's
+  other files, run folders of other launches, results and keys are not in the sandbox at all, and no
+  grader process is in its pid namespace.
   When the sandbox's first process dies, the kernel kills every process left in its pid namespace, detached daemons
   included.
 - `uid`: for a grader running as root where user namespaces are off (e.g. some containers): student processes run
