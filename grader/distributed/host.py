@@ -28,19 +28,26 @@ def rank_data_fds(run: Path, world_size: int) -> list[int]:
     return fds
 
 
+def group_sandbox(level: str, gpu: bool, disable_userns: bool, impl: Path, shared: Path,
+                  extra_code: tuple[Path, ...]) -> tuple[Isolation, Mounts, dict[str, str]]:
+    """The sandbox a rank group runs in, what it mounts (the package, `shared` writable) and the group's environment."""
+    # CUDA reserves far more address space than it uses: on a GPU the job's own memory limit applies instead.
+    isolation = Isolation(level, gpu=gpu, address_space_bytes=None if gpu else physical_memory(),
+                          disable_userns=disable_userns)
+    isolation.grant(shared)
+    mounts = Mounts(impl_dir=impl, run_dir=shared, extra_code=extra_code)
+    return isolation, mounts, {"GRADER_IMPL_DIR": str(isolation.impl_path(impl))}
+
+
 def main() -> int:
     run = Path(sys.argv[1])
     host = json.loads((run / "private" / "host.json").read_text())
-    # CUDA reserves far more address space than it uses: on a GPU the job's own memory limit applies instead.
-    memory_cap = None if host["gpu"] else physical_memory()
-    isolation = Isolation(host["isolation"], gpu=host["gpu"], address_space_bytes=memory_cap,
-                          disable_userns=host["disable_userns"])
     shared = run / "shared"
-    isolation.grant(shared)
+    isolation, mounts, env = group_sandbox(host["isolation"], host["gpu"], host["disable_userns"],
+                                           Path(host["impl"]["path"]), shared,
+                                           tuple(Path(p) for p in host["extra_code"]))
     data_fds = rank_data_fds(run, host["world_size"])
-    impl = Path(host["impl"]["path"])
-    mounts = Mounts(impl_dir=impl, run_dir=shared, extra_code=tuple(Path(p) for p in host["extra_code"]))
-    env = {"GRADER_IMPL_DIR": str(isolation.impl_path(impl)), "GRADER_RANK_DATA_FDS": ",".join(map(str, data_fds))}
+    env["GRADER_RANK_DATA_FDS"] = ",".join(map(str, data_fds))
     group = isolation.popen(
         [sys.executable, "-m", "grader.distributed.group", str(isolation.run_path(shared)), str(host["world_size"])],
         mounts, pass_fds=tuple(data_fds), env=env, stdin=subprocess.DEVNULL,

@@ -32,10 +32,10 @@ from pathlib import Path
 import torch
 
 from grader.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
-from grader.distributed.host import rank_data_fds
+from grader.distributed.host import group_sandbox, rank_data_fds
 from grader.packages import PackageSpec
 from grader.sandbox.client import exit_description, kill_group
-from grader.sandbox.isolation import SECRET_VARIABLES, Isolation, Mounts, physical_memory
+from grader.sandbox.isolation import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode
 
 POLL_S = 0.05
@@ -212,9 +212,7 @@ def last_words(path: Path, lines: int = 15) -> str:
     innermost call first (the frames below it are the grader's own start of the rank)."""
     text = path.read_text(errors="replace") if path.exists() else ""
     fatal = text.rfind("Fatal Python error")
-    if fatal < 0:
-        return "\n".join(text.splitlines()[-lines:])
-    return "\n".join(text[fatal:].splitlines()[:lines])
+    return log_tail(path, lines) if fatal < 0 else "\n".join(text[fatal:].splitlines()[:lines])
 
 
 def rank_death(run: Path, rank: int, world_size: int, exit_code: int | None) -> str:
@@ -272,24 +270,21 @@ class RankGroup:
     """A group process serving launches in one sandbox, and the grader's control socket to it."""
 
     def __init__(self, job: RankJob):
-        gpu = job.resolved_backend() == "nccl"
         self.root = Path(tempfile.mkdtemp(prefix=f"rank-group-{job.problem}-"))
         self.shared = self.root / "shared"
         self.shared.mkdir()
         self.log = self.root / "group.log"
         self.launches = 0
-        # CUDA reserves far more address space than it uses: on a GPU the job's own memory limit applies instead.
-        self.isolation = Isolation(job.isolation, gpu=gpu, address_space_bytes=None if gpu else physical_memory(),
-                                   disable_userns=job.disable_userns)
-        self.isolation.grant(self.shared)
-        mounts = Mounts(impl_dir=job.impl.path, run_dir=self.shared, extra_code=tuple(Path(p) for p in job.extra_code))
+        self.isolation, mounts, env = group_sandbox(
+            job.isolation, job.resolved_backend() == "nccl", job.disable_userns, job.impl.path, self.shared,
+            tuple(Path(p) for p in job.extra_code))
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(self.log, "wb") as log:
             self.process = self.isolation.popen(
                 [sys.executable, "-m", "grader.distributed.group", "--serve", str(self.isolation.run_path(self.shared)),
                  str(theirs.fileno())],
-                mounts, pass_fds=(theirs.fileno(),), env={"GRADER_IMPL_DIR": str(self.isolation.impl_path(job.impl.path))},
-                stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+                mounts, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=log,
+                stderr=subprocess.STDOUT,
             )
         theirs.close()
 
