@@ -1,5 +1,5 @@
 """The model the data-parallel graders (bucketed DDP, ZeRO-1, ZeRO-2) train: small, but with every case a sharding
-or bucketing rule must handle."""
+or bucketing rule must handle; and the loss every data-parallel grader's single-process training takes."""
 
 from __future__ import annotations
 
@@ -42,3 +42,11 @@ def tied_mlp_from_state(state: dict[str, torch.Tensor],
     model = model.to(state["first.weight"].dtype)
     model.load_state_dict(state)
     return model
+
+
+def shard_mean_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, shards: int) -> torch.Tensor:
+    """The full batch's mean squared error as the mean of `shards` equal row shards' errors. Equal in exact
+    arithmetic for any `shards`; shards=world_size rounds as data-parallel ranks do, which makes its fp32 run a second
+    legitimate yardstick beside the full batch's (shards=1)."""
+    return sum(torch.nn.functional.mse_loss(model(x_shard), y_shard)
+               for x_shard, y_shard in zip(x.chunk(shards), y.chunk(shards))) / shards

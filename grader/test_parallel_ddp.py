@@ -13,10 +13,11 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close
+from grader.compare import assert_close, largest_magnitude
 from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards
 from grader.distributed.rank import rank_device
+from grader.parallel_models import shard_mean_loss
 from grader.outcomes import WrongAnswer
 from grader.strategies import data_seeds
 from grader.profiles import examples
@@ -119,8 +120,9 @@ def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: d
     }
 
 
-def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> dict:
-    """The same training on one process over the full batch, from rank 0's initial weights."""
+def train_single_process(config: dict, world_size: int, dtype: torch.dtype, shards: int = 1) -> dict:
+    """The same training on one process over the full batch, from rank 0's initial weights; the loss is the mean of
+    `shards` row shards' losses (see shard_mean_loss)."""
     model = make_model(config["seed"], config["width"], config["variant"], dtype)
     x, y = make_batch(config["seed"], config["rows_per_rank"] * world_size, config["width"], dtype)
     optimizer = torch.optim.SGD(
@@ -130,7 +132,7 @@ def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> d
     grads = []
     for _ in range(STEPS):
         # The mean over the full batch equals the mean over ranks of equal-sized shard means.
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        shard_mean_loss(model, x, y, shards).backward()
         grads.append([None if p.grad is None else p.grad.detach().clone() for p in unique_parameters(model)])
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -143,25 +145,28 @@ configs = st.fixed_dictionaries(
 )
 
 
-def compare_tensors(actual: list, exact: list, at_fp32: list, what: str, context: str) -> None:
-    for index, (a, e, r) in enumerate(zip(actual, exact, at_fp32)):
+def compare_tensors(actual: list, exact: list, at_fp32: list[list], what: str, context: str) -> None:
+    """actual[i] against exact[i], with every run in `at_fp32` as a yardstick and the whole model's scale."""
+    scale = largest_magnitude(exact)
+    for index, (a, e, *yardsticks) in enumerate(zip(actual, exact, *at_fp32)):
         if e is None:
             continue
         if a is None:
             raise WrongAnswer(f"{what} of parameter {index} is None ({context})")
-        assert_close(a, e, r, what=f"{what} of parameter {index}", context=context,
-                     multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+        assert_close(a, e, tuple(yardsticks), what=f"{what} of parameter {index}", context=context,
+                     multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps, scale=scale)
 
 
 def check_training(results: list[dict], config: dict, world_size: int) -> None:
     exact = train_single_process(config, world_size, torch.float64)
-    at_fp32 = train_single_process(config, world_size, torch.float32)
+    at_fp32 = [train_single_process(config, world_size, torch.float32, shards) for shards in (1, world_size)]
     for rank, result in enumerate(results):
         context = f"rank {rank} of {world_size}, {config}"
         for step in range(STEPS):
-            compare_tensors(result["grads"][step], exact["grads"][step], at_fp32["grads"][step],
+            compare_tensors(result["grads"][step], exact["grads"][step], [run["grads"][step] for run in at_fp32],
                             f"gradient after step {step + 1}", context)
-        compare_tensors(result["final"], exact["final"], at_fp32["final"], f"weights after {STEPS} steps", context)
+        compare_tensors(result["final"], exact["final"], [run["final"] for run in at_fp32],
+                        f"weights after {STEPS} steps", context)
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -14,14 +14,14 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close
+from grader.compare import assert_close, largest_magnitude
 from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards
 from grader.distributed.rank import rank_device
 from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
-from grader.parallel_models import TiedMLP
+from grader.parallel_models import TiedMLP, shard_mean_loss
 from grader.strategies import data_seeds
 from grader.profiles import examples
 
@@ -148,8 +148,9 @@ def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: d
     }
 
 
-def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> dict:
-    """The same training on one process over the full batch, from rank 0's initial weights."""
+def train_single_process(config: dict, world_size: int, dtype: torch.dtype, shards: int = 1) -> dict:
+    """The same training on one process over the full batch, from rank 0's initial weights; the loss is the mean of
+    `shards` row shards' losses (see shard_mean_loss)."""
     model = make_model(config["seed"], config, dtype)
     x, y = make_batch(config, world_size, dtype)
     optimizer = torch.optim.SGD(
@@ -157,7 +158,7 @@ def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> d
     )
     grads = []
     for _ in range(STEPS):
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        shard_mean_loss(model, x, y, shards).backward()
         grads.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
@@ -189,16 +190,18 @@ def describe(config: dict) -> str:
     return f"{config} (bucket limit {round(config['bucket_size_mb'] * BYTES_PER_MB)} bytes)"
 
 
-def compare_tensors(actual: list, exact: list, at_fp32: list, what: str, context: str) -> None:
-    for name, a, e, r in zip(PARAMETER_NAMES, actual, exact, at_fp32):
+def compare_tensors(actual: list, exact: list, at_fp32: list[list], what: str, context: str) -> None:
+    """actual[i] against exact[i], with every run in `at_fp32` as a yardstick and the whole model's scale."""
+    scale = largest_magnitude(exact)
+    for name, a, e, *yardsticks in zip(PARAMETER_NAMES, actual, exact, *at_fp32):
         if e is None:
             if a is not None:
                 raise WrongAnswer(f"{what}: the frozen parameter {name} has a .grad; it must stay None ({context})")
             continue
         if a is None:
             raise WrongAnswer(f"{what} of {name} is None ({context})")
-        assert_close(a, e, r, what=f"{what} of {name}", context=context,
-                     multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+        assert_close(a, e, tuple(yardsticks), what=f"{what} of {name}", context=context,
+                     multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps, scale=scale)
 
 
 def all_reduces(calls: list[tuple]) -> list[tuple]:
@@ -211,13 +214,14 @@ def all_reduces(calls: list[tuple]) -> list[tuple]:
 def test_matches_single_process(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
     exact = train_single_process(config, world_size, torch.float64)
-    at_fp32 = train_single_process(config, world_size, torch.float32)
+    at_fp32 = [train_single_process(config, world_size, torch.float32, shards) for shards in (1, world_size)]
     for rank, result in enumerate(results):
         context = f"rank {rank} of {world_size}, {describe(config)}"
         for step in range(STEPS):
-            compare_tensors(result["grads"][step], exact["grads"][step], at_fp32["grads"][step],
+            compare_tensors(result["grads"][step], exact["grads"][step], [run["grads"][step] for run in at_fp32],
                             f"gradient after step {step + 1}", context)
-        compare_tensors(result["final"], exact["final"], at_fp32["final"], f"weights after {STEPS} steps", context)
+        compare_tensors(result["final"], exact["final"], [run["final"] for run in at_fp32],
+                        f"weights after {STEPS} steps", context)
 
 
 @pytest.mark.parametrize("world_size", [2])

@@ -16,7 +16,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close
+from grader.compare import assert_close, largest_magnitude
 from grader.distributed import recorder
 from grader.distributed.memory import MemoryProbe, probe_point
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
@@ -24,6 +24,7 @@ from grader.distributed.rank import rank_device
 from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
+from grader.parallel_models import shard_mean_loss
 from grader.strategies import data_seeds
 from grader.profiles import examples
 
@@ -198,8 +199,9 @@ def shard_of(tensors: list[torch.Tensor], world_size: int, rank: int) -> torch.T
     return flat[rank * size : (rank + 1) * size]
 
 
-def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> dict:
-    """The same training on one process over the full batch."""
+def train_single_process(config: dict, world_size: int, dtype: torch.dtype, shards: int = 1) -> dict:
+    """The same training on one process over the full batch; the loss is the mean of `shards` row shards' losses
+    (see shard_mean_loss)."""
     model = make_model(config, dtype)
     x, y = make_batch(config, world_size, dtype)
     trainable = [p for p in model.parameters() if p.requires_grad]
@@ -208,7 +210,7 @@ def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> d
     result = {"initial": {n: p.detach().clone() for n, p in model.named_parameters()}, "grads": []}
     for _ in range(STEPS):
         # The mean over the full batch equals the mean over ranks of equal-sized shard means.
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        shard_mean_loss(model, x, y, shards).backward()
         result["grads"].append([[p.grad.clone() for _, p in params] for _, params in per_unit])
         optimizer.step()
         optimizer.zero_grad()
@@ -220,12 +222,12 @@ def train_single_process(config: dict, world_size: int, dtype: torch.dtype) -> d
 # --- checks -------------------------------------------------------------------------------------------------------
 
 
-def check_shard(actual, exact: torch.Tensor, at_dtype: torch.Tensor, what: str, context: str,
-                multiple: float = PROBLEM.error_multiple) -> None:
+def check_shard(actual, exact: torch.Tensor, at_dtype, what: str, context: str,
+                multiple: float = PROBLEM.error_multiple, scale: float | None = None) -> None:
     if actual is None:
         raise WrongAnswer(f"{what} is None ({context})")
     assert_close(actual, exact, at_dtype, what=what, context=context, multiple=multiple,
-                 floor_ulps=PROBLEM.floor_ulps)
+                 floor_ulps=PROBLEM.floor_ulps, scale=scale)
 
 
 def check_shards_at_construction(results: list[dict], config: dict, world_size: int) -> None:
@@ -248,27 +250,31 @@ def check_shards_at_construction(results: list[dict], config: dict, world_size: 
 def check_training(results: list[dict], config: dict, world_size: int, reference_results: list[dict] | None = None,
                    multiple: float = PROBLEM.error_multiple) -> None:
     """Every rank's gradient shards and final shards against single-process training (float64 exact; float32, or
-    the reference's run with the same compute dtype, for the tolerance)."""
+    the reference's run with the same compute dtype, for the tolerance). Against float32 runs, the floor's scale is
+    the whole model's (compare.py); a lower-precision calibration keeps each shard's own."""
     exact = train_single_process(config, world_size, torch.float64)
-    at_fp32 = train_single_process(config, world_size, torch.float32)
+    at_fp32 = [train_single_process(config, world_size, torch.float32, shards) for shards in (1, world_size)]
     names = [name for name, _ in units(make_model(config))]
     for rank, result in enumerate(results):
         context = f"rank {rank} of {world_size}, {config}"
         calibration = reference_results[rank] if reference_results is not None else None
         for step in range(STEPS):
+            scale = None if calibration is not None else largest_magnitude(
+                [grad for unit in exact["grads"][step] for grad in unit])
             for index, name in enumerate(names):
                 want64 = shard_of(exact["grads"][step][index], world_size, rank)
                 want = (calibration["grads"][step][index] if calibration is not None
-                        else shard_of(at_fp32["grads"][step][index], world_size, rank))
+                        else tuple(shard_of(run["grads"][step][index], world_size, rank) for run in at_fp32))
                 check_shard(result["grads"][step][index], want64, want,
-                            f"gradient shard of unit {name} in step {step + 1}", context, multiple)
+                            f"gradient shard of unit {name} in step {step + 1}", context, multiple, scale)
+        scale = None if calibration is not None else largest_magnitude(list(exact["final"].values()))
         for index, name in enumerate(names):
             params = exact["unit_params"][index]
             want64 = shard_of([exact["final"][n] for n in params], world_size, rank)
             want = (calibration["final_shards"][index] if calibration is not None
-                    else shard_of([at_fp32["final"][n] for n in params], world_size, rank))
+                    else tuple(shard_of([run["final"][n] for n in params], world_size, rank) for run in at_fp32))
             check_shard(result["final_shards"][index], want64, want, f"shard of unit {name} after {STEPS} steps",
-                        context, multiple)
+                        context, multiple, scale)
 
 
 widths = st.lists(st.integers(2, 11), min_size=4, max_size=4)
@@ -314,16 +320,18 @@ def test_full_state_dict(ranks, world_size, config):
     config = {**config, "variant": "plain"}
     results = run_training(ranks, world_size, config)
     exact = train_single_process(config, world_size, torch.float64)
-    at_fp32 = train_single_process(config, world_size, torch.float32)
+    at_fp32 = [train_single_process(config, world_size, torch.float32, shards) for shards in (1, world_size)]
+    scale = largest_magnitude(list(exact["final"].values()))
     for rank, result in enumerate(results):
         got = result["state_dict"]
         if set(got) != set(exact["final"]):
             raise WrongAnswer(f"rank {rank}: full_state_dict() has keys {sorted(got)}, expected "
                               f"{sorted(exact['final'])} (the wrapped module's parameter names)")
         for name, want64 in exact["final"].items():
-            assert_close(got[name], want64.float(), at_fp32["final"][name], what=f"full_state_dict()[{name!r}]",
+            assert_close(got[name], want64.float(), tuple(run["final"][name] for run in at_fp32),
+                         what=f"full_state_dict()[{name!r}]",
                          context=f"rank {rank} of {world_size} after {STEPS} steps, {config}",
-                         multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+                         multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps, scale=scale)
 
 
 @pytest.mark.parametrize("world_size", [2])

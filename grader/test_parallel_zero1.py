@@ -15,11 +15,11 @@ import torch.distributed as dist
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close
+from grader.compare import assert_close, largest_magnitude
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
-from grader.parallel_models import TiedMLP, tied_mlp_from_state
+from grader.parallel_models import TiedMLP, shard_mean_loss, tied_mlp_from_state
 from grader.strategies import data_seeds
 from grader.profiles import examples
 
@@ -99,8 +99,9 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
     return {"weights": weights, "state_bytes": state_bytes, "state_held": state_held}
 
 
-def train_unsharded(config: dict, data_ranks: int, dtype: torch.dtype) -> dict:
-    """Single-process training on the full batch with the unsharded optimizer."""
+def train_unsharded(config: dict, data_ranks: int, dtype: torch.dtype, shards: int = 1) -> dict:
+    """Single-process training on the full batch with the unsharded optimizer; the loss is the mean of `shards` row
+    shards' losses (see shard_mean_loss)."""
     model = make_model(config, dtype)
     x, y = make_batch(config, data_ranks, dtype)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
@@ -108,7 +109,7 @@ def train_unsharded(config: dict, data_ranks: int, dtype: torch.dtype) -> dict:
     optimizer = optimizer_cls(params, **kwargs)
     weights = []
     for _ in range(STEPS):
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        shard_mean_loss(model, x, y, shards).backward()
         optimizer.step()
         optimizer.zero_grad()
         weights.append([p.detach().clone() for p in params])
@@ -139,16 +140,18 @@ def configs(optimizers=tuple(OPTIMIZERS)) -> st.SearchStrategy[dict]:
 
 def check_weights(results: list[dict], config: dict, data_ranks: int) -> None:
     exact = train_unsharded(config, data_ranks, torch.float64)
-    at_fp32 = train_unsharded(config, data_ranks, torch.float32)
+    at_fp32 = [train_unsharded(config, data_ranks, torch.float32, shards) for shards in (1, data_ranks)]
     owners = pinned_owners(config, data_ranks)
     for rank, result in enumerate(results):
         context = f"rank {rank} of {len(results)}, {config}"
         for step in range(STEPS):
+            scale = largest_magnitude(exact["weights"][step])
             for index, name in enumerate(PARAMETER_NAMES):
                 assert_close(result["weights"][step][index], exact["weights"][step][index],
-                             at_fp32["weights"][step][index],
+                             tuple(run["weights"][step][index] for run in at_fp32),
                              what=f"{name} (owned by rank {owners[index]} of its group) after step {step + 1}",
-                             context=context, multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+                             context=context, multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps,
+                             scale=scale)
 
 
 def run_training(ranks, world_size: int, config: dict) -> list[dict]:

@@ -13,12 +13,12 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close
+from grader.compare import assert_close, largest_magnitude
 from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
-from grader.parallel_models import TiedMLP, tied_mlp_from_state
+from grader.parallel_models import TiedMLP, shard_mean_loss, tied_mlp_from_state
 from grader.strategies import data_seeds
 from grader.profiles import examples
 
@@ -84,15 +84,16 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
     return {"grads": grads, "weights": weights, "calls": steps_calls}
 
 
-def train_unsharded(config: dict, world_size: int, dtype: torch.dtype) -> dict:
-    """Single-process training on the full batch with the unsharded optimizer, from rank 0's initial weights."""
+def train_unsharded(config: dict, world_size: int, dtype: torch.dtype, shards: int = 1) -> dict:
+    """Single-process training on the full batch with the unsharded optimizer, from rank 0's initial weights; the
+    loss is the mean of `shards` row shards' losses (see shard_mean_loss)."""
     model = make_model(config["seed"], config, dtype)
     x, y = make_batch(config, world_size, dtype)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
     optimizer = optimizer_cls([p for p in model.parameters() if p.requires_grad], **kwargs)
     grads, weights = [], []
     for _ in range(STEPS):
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        shard_mean_loss(model, x, y, shards).backward()
         grads.append([None if p.grad is None else p.grad.detach().clone() for p in model.parameters()])
         optimizer.step()
         optimizer.zero_grad()
@@ -134,7 +135,7 @@ configs = st.fixed_dictionaries({
 def test_matches_single_process(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
     exact = train_unsharded(config, world_size, torch.float64)
-    at_fp32 = train_unsharded(config, world_size, torch.float32)
+    at_fp32 = [train_unsharded(config, world_size, torch.float32, shards) for shards in (1, world_size)]
     owners = pinned_owners(config, world_size)
     tolerance = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
     for rank, result in enumerate(results):
@@ -147,14 +148,15 @@ def test_matches_single_process(ranks, world_size, config):
                 if grad is None:
                     raise WrongAnswer(f"the gradient of {name} is None on rank {rank}, its owner, after "
                                       f"finish_gradient_synchronization() in step {step + 1} ({context})")
-                assert_close(grad, exact["grads"][step][index], at_fp32["grads"][step][index],
+                assert_close(grad, exact["grads"][step][index],
+                             tuple(run["grads"][step][index] for run in at_fp32),
                              what=f"gradient of {name} on its owner after step {step + 1}", context=context,
-                             **tolerance)
+                             scale=largest_magnitude(exact["grads"][step]), **tolerance)
             for index, name in enumerate(PARAMETER_NAMES):
                 assert_close(result["weights"][step][index], exact["weights"][step][index],
-                             at_fp32["weights"][step][index],
+                             tuple(run["weights"][step][index] for run in at_fp32),
                              what=f"{name} (owned by rank {owners[index]}) after step {step + 1}", context=context,
-                             **tolerance)
+                             scale=largest_magnitude(exact["weights"][step]), **tolerance)
 
 
 @pytest.mark.parametrize("world_size", [2])
