@@ -352,7 +352,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
             "frozen_parameter": "outside: training values; in-process: the count of all-reduces",
             "tied_weights": "outside: training values; in-process: the count of all-reduces",
-            "overlaps_backward": "in-process: recorded all-reduces, their phase and async flag",
+            "overlaps_backward": "in-process: recorded all-reduces, their phase, async flag and the phase of their wait",
         },
     ),
     Problem(
@@ -372,7 +372,7 @@ PROBLEMS: tuple[Problem, ...] = (
         evidence={
             "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
             "bucket_partition": "in-process: byte sizes of the recorded all-reduces",
-            "overlaps_backward": "in-process: recorded phases and async flags",
+            "overlaps_backward": "in-process: recorded phases, async flags and the phases of their waits",
             "speed": "in-process: step times measured in the ranks, against the reference's ranks",
         },
     ),
@@ -628,7 +628,7 @@ PROBLEMS: tuple[Problem, ...] = (
         evidence={
             "matches_single_process": "outside: owners' gradients need every rank's rows, weights need rank 0's",
             "gradients_sharded": "in-process: which gradients the rank reports as None",
-            "collective_pattern": "in-process: recorded collectives and phases",
+            "collective_pattern": "in-process: recorded collectives, their phases and the phases of their waits",
         },
     ),
 )

@@ -108,9 +108,9 @@ def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: d
         with recorder.phase("finish"):
             ddp.finish_gradient_synchronization()
         grads.append([None if p.grad is None else p.grad.detach().cpu().clone() for p in unique_parameters(model)])
-        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase) for c in recorder.CALLS])
+        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase, c.waited) for c in recorder.CALLS])
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=True)  # PyTorch's default: the next backward allocates new .grad tensors
     return {
         "after_construction": after_construction,
         "buffers": buffers,
@@ -243,6 +243,7 @@ def test_overlaps_backward(ranks, world_size, config):
         for step, calls in enumerate(all_reduces_per_step(result), start=1):
             late = [c for c in calls if c[3] != "backward"]
             blocking = [c for c in calls if not c[2]]
+            waited_early = [c for c in calls if c[4] == "backward"]
             if len(calls) != parameters:
                 raise WrongAnswer(f"rank {rank}, step {step}: {len(calls)} all-reduces for {parameters} parameters; "
                                   "expected one per parameter, issued from its gradient hook")
@@ -252,3 +253,7 @@ def test_overlaps_backward(ranks, world_size, config):
             if blocking:
                 raise WrongAnswer(f"rank {rank}, step {step}: {len(blocking)} all-reduces were blocking; "
                                   "use async_op=True and wait in finish_gradient_synchronization()")
+            if waited_early:
+                raise WrongAnswer(f"rank {rank}, step {step}: {len(waited_early)} all-reduces were waited on during "
+                                  "backward, so they did not overlap the rest of it; leave each in flight and wait in "
+                                  "finish_gradient_synchronization()")

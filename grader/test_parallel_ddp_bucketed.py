@@ -137,9 +137,9 @@ def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: d
         with recorder.phase("finish"):
             ddp.finish_gradient_synchronization()
         grads.append([None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()])
-        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase) for c in recorder.CALLS])
+        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase, c.waited) for c in recorder.CALLS])
         optimizer.step()
-        optimizer.zero_grad(set_to_none=False)
+        optimizer.zero_grad(set_to_none=True)  # PyTorch's default: the next backward allocates new .grad tensors
     return {
         "grads": grads,
         "final": [p.detach().cpu().clone() for p in model.parameters()],
@@ -259,6 +259,7 @@ def test_overlaps_backward(ranks, world_size, config):
             reduces = all_reduces(calls)
             late = [c for c in reduces if c[3] != "backward"]
             blocking = [c for c in reduces if not c[2]]
+            waited_early = [c for c in reduces if c[4] == "backward"]
             if late:
                 raise WrongAnswer(f"rank {rank}, step {step}: {len(late)} of {len(reduces)} all-reduces were issued "
                                   "after backward returned; issue each bucket's from the hook of its last gradient "
@@ -266,6 +267,10 @@ def test_overlaps_backward(ranks, world_size, config):
             if blocking:
                 raise WrongAnswer(f"rank {rank}, step {step}: {len(blocking)} all-reduces were blocking; "
                                   "use async_op=True and wait in finish_gradient_synchronization()")
+            if waited_early:
+                raise WrongAnswer(f"rank {rank}, step {step}: {len(waited_early)} of {len(reduces)} all-reduces were "
+                                  "waited on during backward, so they did not overlap the rest of it; leave each in "
+                                  "flight and wait in finish_gradient_synchronization()")
             issued = result["marks"][step - 1]
             if issued < ready_early:
                 raise WrongAnswer(

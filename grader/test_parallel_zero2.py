@@ -80,7 +80,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
             zero.step()
         zero.zero_grad()
         weights.append([p.detach().cpu().clone() for p in model.parameters()])
-        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase) for c in recorder.CALLS])
+        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase, c.waited) for c in recorder.CALLS])
     return {"grads": grads, "weights": weights, "calls": steps_calls}
 
 
@@ -207,3 +207,6 @@ def test_collective_pattern(ranks, world_size, config):
             if any(not c[2] for c in reduces):
                 raise WrongAnswer(f"{where}: blocking reduces; use async_op=True and wait in "
                                   "finish_gradient_synchronization()")
+            if any(c[4] == "backward" for c in reduces):
+                raise WrongAnswer(f"{where}: reduces were waited on during backward, so they did not overlap the "
+                                  "rest of it; leave each in flight and wait in finish_gradient_synchronization()")

@@ -1,8 +1,8 @@
 """A recording wrapper around torch.distributed, installed in every rank before student code is imported.
 
-Each collective or point-to-point call is appended to `CALLS` (its name, bytes, whether it was asynchronous and whether
-it was issued while the grader's program was in its backward phase) and written to the rank's progress file as it
-starts. When ranks hang, the progress files say which ranks never reached the call the others are waiting in.
+Each collective or point-to-point call is appended to `CALLS` (its name, bytes, whether it was asynchronous, the
+grader program's phase when it was issued and, for an asynchronous one, the phase when its handle or the handle's
+future was first waited on) and written to the rank's progress file as it starts. When ranks hang, the progress files say which ranks never reached the call the others are waiting in.
 """
 
 from __future__ import annotations
@@ -59,9 +59,15 @@ class Call:
     # Issued by torch from inside another recorded call (the isend under a send, under a batch_isend_irecv): count
     # only calls that are not nested, or a message is counted twice.
     nested: bool = False
+    # The phase in which the program first waited on this call's Work (or on its future); None if it never did.
+    # "Issued with async_op=True" alone does not show overlap: a handle waited on at once blocks like a plain call.
+    waited: str | None = None
 
 
 CALLS: list[Call] = []  # since the last reset(), for the program's checks
+# id() of each asynchronous call's Work, and of futures taken from one, -> (the object, kept alive so that its id is
+# not reused, and its Call); since the last reset(). Work objects take no attributes and no weak references.
+_handles: dict[int, tuple[object, Call]] = {}
 _entered = 0  # every call of the rank's life, never reset: the progress file's sequence numbers
 _phase = "other"
 _progress = None
@@ -116,9 +122,13 @@ def _wrap(name: str, function, beneath: bool = False, method: bool = False):
             _progress.flush()
         _depth.value = depth + 1
         try:
-            return function(*args, **kwargs)
+            result = function(*args, **kwargs)
         finally:
             _depth.value = depth
+        for work in result if isinstance(result, list) else [result]:  # batch_isend_irecv returns a list
+            if isinstance(work, c10d_bindings.Work):
+                _handles[id(work)] = (work, call)
+        return result
 
     recorded.__wrapped_by_grader__ = True
     return recorded
@@ -135,6 +145,7 @@ def install(progress_file: Path) -> None:
         setattr(c10d, name, wrapped)
         setattr(dist, name, wrapped)
     _install_beneath()
+    _install_waits()
 
 
 def _install_beneath() -> None:
@@ -153,5 +164,39 @@ def _install_beneath() -> None:
             setattr(functional, function, _wrap(f"_functional_collectives.{function}", original, beneath=True))
 
 
+def _note_wait(handle) -> None:
+    held = _handles.get(id(handle))
+    if held is not None and held[0] is handle and held[1].waited is None:
+        held[1].waited = _phase
+
+
+def _install_waits() -> None:
+    """Work.wait, Work.get_future and Future.wait record, on the Call a handle came from, the phase of its first wait."""
+    work_wait, get_future, future_wait = c10d_bindings.Work.wait, c10d_bindings.Work.get_future, torch._C.Future.wait
+    if getattr(work_wait, "__wrapped_by_grader__", False):
+        return
+
+    def wait(self, *args, **kwargs):
+        _note_wait(self)
+        return work_wait(self, *args, **kwargs)
+
+    def future_of(self, *args, **kwargs):
+        future = get_future(self, *args, **kwargs)
+        held = _handles.get(id(self))
+        if held is not None and held[0] is self:
+            _handles[id(future)] = (future, held[1])
+        return future
+
+    def wait_future(self, *args, **kwargs):
+        _note_wait(self)
+        return future_wait(self, *args, **kwargs)
+
+    for cls, name, replacement in ((c10d_bindings.Work, "wait", wait), (c10d_bindings.Work, "get_future", future_of),
+                                   (torch._C.Future, "wait", wait_future)):
+        replacement.__wrapped_by_grader__ = True
+        setattr(cls, name, replacement)
+
+
 def reset() -> None:
     CALLS.clear()
+    _handles.clear()

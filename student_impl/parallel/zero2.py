@@ -34,7 +34,8 @@ class ZeRO2(torch.nn.Module):
         partition order); a rank that owns nothing builds it over a placeholder tensor that never gets a gradient.
       * During backward, from `Tensor.register_post_accumulate_grad_hook` hooks, each parameter's gradient is sent
         to its owner with one `dist.reduce(grad, dst=<owner's global rank>, op=ReduceOp.SUM, async_op=True)` the
-        moment it is final. No all-reduce: only the owner ever holds the summed gradient.
+        moment it is final. No all-reduce: only the owner ever holds the summed gradient. Do not block inside a
+        hook (no wait on the handle there).
       * `finish_gradient_synchronization()` waits for every reduce. When it returns, on each rank `param.grad` is
         the average over ranks of the local gradients (sum, then divide by the world size) for every parameter the
         rank owns, and None for every other parameter (frozen ones included): a rank holds only its shard of the
