@@ -249,7 +249,8 @@ def byte_bounds(case: dict, world_size: int) -> tuple[list[int] | None, int | No
 def check_only_point_to_point(name: str, rank: int, calls: list, context: str) -> None:
     for op, _, nested in calls:
         if not nested and op not in POINT_TO_POINT:
-            raise WrongAnswer(f"{name} on rank {rank} called torch.distributed.{op}: build every collective from "
+            called = op if op.startswith("torch.") else f"torch.distributed.{op}"
+            raise WrongAnswer(f"{name} on rank {rank} called {called}: build every collective from "
                               f"send, recv, isend, irecv and batch_isend_irecv only ({context})")
 
 

@@ -45,6 +45,13 @@ FUNCTIONAL_COLLECTIVES = (
     "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_inplace", "reduce_scatter_tensor_coalesced",
     "all_to_all_single", "all_to_all_single_autograd", "all_to_all_inplace", "broadcast", "permute_tensor",
 )  # fmt: skip
+# The dispatcher's own communication ops, beneath all of the above: torch.ops.c10d.allreduce_(...) reaches the process
+# group through no Python function of torch.distributed. Recorded as the methods are, under their qualified names
+# (point-to-point ones as send and recv); waiting on a tensor and checking for NaN are not communication.
+DISPATCHER_NAMESPACES = ("c10d", "_c10d_functional", "_c10d_functional_autograd")
+DISPATCHER_POINT_TO_POINT = {"send": "send", "recv_": "recv", "recv_any_source_": "recv", "isend": "send",
+                             "irecv": "recv"}
+NOT_COMMUNICATION = ("wait_tensor", "check_for_nan")
 
 
 @dataclass
@@ -101,34 +108,41 @@ def phase(name: str):
         _phase = previous
 
 
+def _call_recorded(name: str, function, args: tuple, kwargs: dict, beneath: bool, method: bool):
+    """function(*args, **kwargs), recorded as `name`. `beneath`: one of the (asynchronous) calls under
+    torch.distributed's functions, recorded only when called from outside them. `method`: its first argument is the
+    process group."""
+    global _entered
+    depth = getattr(_depth, "value", 0)
+    if beneath and depth > 0:
+        return function(*args, **kwargs)
+    _entered += 1
+    operands = args[1:] if method else args
+    first = operands[0] if operands else next(iter(kwargs.values()), None)
+    call = Call(_entered, name, tensor_bytes(first), beneath or bool(kwargs.get("async_op", False)), _phase,
+                sent_bytes(name, first), depth > 0)
+    CALLS.append(call)
+    if _progress is not None:
+        _progress.write(f"{call.seq} {name}\n")
+        _progress.flush()
+    _depth.value = depth + 1
+    try:
+        result = function(*args, **kwargs)
+    finally:
+        _depth.value = depth
+    # batch_isend_irecv returns a list of handles, the dispatcher's ops a (tensors, handle) tuple
+    for work in result if isinstance(result, (list, tuple)) else [result]:
+        if isinstance(work, c10d_bindings.Work):
+            _handles[id(work)] = (work, call)
+    return result
+
+
 def _wrap(name: str, function, beneath: bool = False, method: bool = False):
-    """`function` recording its calls as `name`. `beneath`: one of the (asynchronous) calls under torch.distributed's
-    functions, recorded only when called from outside them. `method`: its first argument is the process group."""
+    """`function` recording its calls as `name` (see _call_recorded)."""
 
     @functools.wraps(function)
     def recorded(*args, **kwargs):
-        global _entered
-        depth = getattr(_depth, "value", 0)
-        if beneath and depth > 0:
-            return function(*args, **kwargs)
-        _entered += 1
-        operands = args[1:] if method else args
-        first = operands[0] if operands else next(iter(kwargs.values()), None)
-        call = Call(_entered, name, tensor_bytes(first), beneath or bool(kwargs.get("async_op", False)), _phase,
-                    sent_bytes(name, first), depth > 0)
-        CALLS.append(call)
-        if _progress is not None:
-            _progress.write(f"{call.seq} {name}\n")
-            _progress.flush()
-        _depth.value = depth + 1
-        try:
-            result = function(*args, **kwargs)
-        finally:
-            _depth.value = depth
-        for work in result if isinstance(result, list) else [result]:  # batch_isend_irecv returns a list
-            if isinstance(work, c10d_bindings.Work):
-                _handles[id(work)] = (work, call)
-        return result
+        return _call_recorded(name, function, args, kwargs, beneath, method)
 
     recorded.__wrapped_by_grader__ = True
     return recorded
@@ -145,6 +159,7 @@ def install(progress_file: Path) -> None:
         setattr(c10d, name, wrapped)
         setattr(dist, name, wrapped)
     _install_beneath()
+    _install_dispatcher_ops()
     _install_waits()
 
 
@@ -162,6 +177,36 @@ def _install_beneath() -> None:
         original = getattr(functional, function, None)
         if original is not None and not getattr(original, "__wrapped_by_grader__", False):
             setattr(functional, function, _wrap(f"_functional_collectives.{function}", original, beneath=True))
+
+
+def _dispatcher_name(op) -> str | None:
+    """The name a call of dispatcher op `op` (a packet or an overload) is recorded under; None if it is not one of the
+    communication ops."""
+    namespace, _, name = getattr(op, "_qualified_op_name", "").partition("::")
+    if not name:
+        namespace, name = getattr(op, "namespace", ""), getattr(op, "_opname", "")
+    if namespace not in DISPATCHER_NAMESPACES or name in NOT_COMMUNICATION:
+        return None
+    return DISPATCHER_POINT_TO_POINT.get(name, f"torch.ops.{namespace}.{name}")
+
+
+def _install_dispatcher_ops() -> None:
+    """Calls of dispatcher ops made from Python (torch.ops.c10d.allreduce_(...) or its .default) are recorded by the op
+    classes' own __call__. The ops themselves stay what torch.ops returns: torch's C++ looks them up there and relies
+    on their type."""
+    for cls in (torch._ops.OpOverloadPacket, torch._ops.OpOverload, getattr(torch._ops, "TorchBindOpOverload", None)):
+        original = vars(cls).get("__call__") if cls is not None else None
+        if original is None or getattr(original, "__wrapped_by_grader__", False):
+            continue
+
+        def call(self, /, *args, _original=original, **kwargs):
+            name = _dispatcher_name(self)
+            if name is None:
+                return _original(self, *args, **kwargs)
+            return _call_recorded(name, functools.partial(_original, self), args, kwargs, beneath=True, method=False)
+
+        call.__wrapped_by_grader__ = True
+        cls.__call__ = call
 
 
 def _note_wait(handle) -> None:

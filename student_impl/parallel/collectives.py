@@ -3,8 +3,9 @@
 Rules for every function of this module:
   * Communicate ONLY with torch.distributed's send, recv, isend, irecv and batch_isend_irecv (with P2POp). Calling
     any torch.distributed collective (broadcast, all_reduce, all_gather, barrier, ...) fails the test, and so does
-    reaching one another way: a ProcessGroup's own methods (`group.allreduce(...)`) or
-    torch.distributed._functional_collectives.
+    reaching one another way: a ProcessGroup's own methods (`group.allreduce(...)`),
+    torch.distributed._functional_collectives or the dispatcher's ops (`torch.ops.c10d.*`,
+    `torch.ops._c10d_functional.*`).
   * `group` is a torch.distributed ProcessGroup, or None for the default (world) group. Use only that group: this
     rank is `dist.get_rank(group)` of `dist.get_world_size(group)` = N ranks. `src`, `dst` and list indices are
     ranks WITHIN the group (torch.distributed's own `src` is a global rank; here it is what torch calls
