@@ -81,7 +81,8 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
     model = tied_mlp_from_state(rank_data["state"]).to(device)
     x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
-    sharded = student.ShardedOptimizer(given_parameters(model), optimizer_cls, group, **kwargs)
+    # A one-pass iterator, as model.parameters() is: the contract says "an iterable".
+    sharded = student.ShardedOptimizer(iter(given_parameters(model)), optimizer_cls, group, **kwargs)
     params = list(model.parameters())
     weights, state_bytes, state_held = [], [], []
     for _ in range(STEPS):
