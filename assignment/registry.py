@@ -348,7 +348,10 @@ PROBLEMS: tuple[Problem, ...] = (
         call_timeout_s=90.0,
         world_sizes=(2, 4),
         evidence={
-            "broadcast_at_construction": "outside: weights after DDP(model) equal rank 0's, which only rank 0 received",
+            "broadcast_at_construction": (
+                "outside: weights after DDP(model) equal rank 0's, which only rank 0 received; in-process: `.module` "
+                "is the model given"
+            ),
             "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
             "frozen_parameter": "outside: training values; in-process: the count of all-reduces",
             "tied_weights": "outside: training values; in-process: the count of all-reduces",
@@ -371,7 +374,7 @@ PROBLEMS: tuple[Problem, ...] = (
         world_sizes=(2, 4),
         evidence={
             "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
-            "bucket_partition": "in-process: byte sizes of the recorded all-reduces",
+            "bucket_partition": "in-process: byte sizes of the recorded all-reduces; `.module` is the model given",
             "overlaps_backward": "in-process: recorded phases, async flags and the phases of their waits",
             "speed": "in-process: step times measured in the ranks, against the reference's ranks",
         },
@@ -627,7 +630,7 @@ PROBLEMS: tuple[Problem, ...] = (
         world_sizes=(2, 4),
         evidence={
             "matches_single_process": "outside: owners' gradients need every rank's rows, weights need rank 0's",
-            "gradients_sharded": "in-process: which gradients the rank reports as None",
+            "gradients_sharded": "in-process: which gradients the rank reports as None; `.module` is the model given",
             "collective_pattern": "in-process: recorded collectives, their phases and the phases of their waits",
         },
     ),

@@ -7,6 +7,8 @@ from collections.abc import Callable
 
 import torch
 
+from grader.outcomes import WrongAnswer
+
 
 class TiedMLP(torch.nn.Module):
     """first -> middle -> again -> last with tanh between: uneven widths, a frozen bias (first.bias), a weight tied
@@ -50,3 +52,12 @@ def shard_mean_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sh
     legitimate yardstick beside the full batch's (shards=1)."""
     return sum(torch.nn.functional.mse_loss(model(x_shard), y_shard)
                for x_shard, y_shard in zip(x.chunk(shards), y.chunk(shards))) / shards
+
+
+def check_module_kept(results: list[dict], wrapper: str) -> None:
+    """Each rank's `module_kept` (in the rank: `wrapper.module is model`): the contract pins `.module`, as torch's
+    DistributedDataParallel has it, because code that unwraps a trained model reads it. In-process evidence."""
+    for rank, result in enumerate(results):
+        if not result["module_kept"]:
+            raise WrongAnswer(f"rank {rank}: {wrapper}(module, ...).module is not the module given; keep it as "
+                              "`self.module` (code that unwraps a trained model reads it)")

@@ -17,7 +17,7 @@ from grader.compare import assert_close, largest_magnitude
 from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards
 from grader.distributed.rank import rank_device
-from grader.parallel_models import shard_mean_loss
+from grader.parallel_models import check_module_kept, shard_mean_loss
 from grader.outcomes import WrongAnswer
 from grader.strategies import data_seeds
 from grader.profiles import examples
@@ -117,6 +117,7 @@ def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: d
         "grads": grads,
         "final": [p.detach().cpu().clone() for p in unique_parameters(model)],
         "calls": steps_calls,
+        "module_kept": getattr(ddp, "module", None) is model,
     }
 
 
@@ -175,6 +176,7 @@ def check_training(results: list[dict], config: dict, world_size: int) -> None:
 def test_broadcast_at_construction(ranks, world_size, config):
     config = {**config, "variant": "plain"}
     results = run_training(ranks, world_size, config)
+    check_module_kept(results, "DDP")
     expected = make_model(config["seed"], config["width"], "plain")
     for rank, result in enumerate(results):
         for index, (got, want) in enumerate(zip(result["after_construction"], unique_parameters(expected))):

@@ -21,7 +21,7 @@ from grader.distributed.rank import rank_device
 from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
-from grader.parallel_models import TiedMLP, shard_mean_loss
+from grader.parallel_models import TiedMLP, check_module_kept, shard_mean_loss
 from grader.strategies import data_seeds
 from grader.profiles import examples
 
@@ -145,6 +145,7 @@ def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: d
         "final": [p.detach().cpu().clone() for p in model.parameters()],
         "calls": steps_calls,
         "marks": list(MARKS),
+        "module_kept": getattr(ddp, "module", None) is model,
     }
 
 
@@ -232,6 +233,7 @@ def test_bucket_partition(ranks, world_size, config):
     buckets = expected_buckets(config)
     expected = sorted(bucket_bytes(config, bucket) for bucket in buckets)
     layout = "; ".join(f"[{', '.join(bucket)}] {bucket_bytes(config, bucket)} B" for bucket in buckets)
+    check_module_kept(results, "BucketedDDP")
     for rank, result in enumerate(results):
         for step, calls in enumerate(result["calls"], start=1):
             others = sorted({call[0] for call in calls if call[0] != "all_reduce"})

@@ -18,7 +18,7 @@ from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
-from grader.parallel_models import TiedMLP, shard_mean_loss, tied_mlp_from_state
+from grader.parallel_models import TiedMLP, check_module_kept, shard_mean_loss, tied_mlp_from_state
 from grader.strategies import data_seeds
 from grader.profiles import examples
 
@@ -81,7 +81,8 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
         zero.zero_grad()
         weights.append([p.detach().cpu().clone() for p in model.parameters()])
         steps_calls.append([(c.op, c.bytes, c.async_op, c.phase, c.waited) for c in recorder.CALLS])
-    return {"grads": grads, "weights": weights, "calls": steps_calls}
+    return {"grads": grads, "weights": weights, "calls": steps_calls,
+            "module_kept": getattr(zero, "module", None) is model}
 
 
 def train_unsharded(config: dict, world_size: int, dtype: torch.dtype, shards: int = 1) -> dict:
@@ -166,6 +167,7 @@ def test_gradients_sharded(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
     owners = pinned_owners(config, world_size)
     sizes = parameter_bytes(config)
+    check_module_kept(results, "ZeRO2")
     for rank, result in enumerate(results):
         expected = sum(size for size, owner in zip(sizes, owners) if owner == rank)
         for step, grads in enumerate(result["grads"], start=1):

@@ -43,6 +43,8 @@ class BucketedDDP(torch.nn.Module):
       * A parameter with `requires_grad=False` gets no hook and no communication; its `.grad` stays None.
       * Exactly one backward runs between two calls to `finish_gradient_synchronization()`, and every parameter that
         requires grad receives a gradient in every backward.
+      * `self.module` is `module` itself, the object given (as in torch's DistributedDataParallel): code that unwraps
+        a trained model reads it.
       * `forward` returns exactly what `module` returns for the same arguments.
       * Do not use torch's DistributedDataParallel or FSDP.
     """
