@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close, largest_magnitude
@@ -187,6 +187,15 @@ def configs(draw, last_layer_buckets: bool = False) -> dict:
     return {**config, "bucket_size_mb": limit / BYTES_PER_MB}  # exact: a power-of-two divisor
 
 
+def limit_at_equality() -> dict:
+    """A config whose bucket limit is exactly the size of the first two parameters in bucket order: they share one
+    bucket, since only going *past* the limit closes it (a rule off at equality splits them)."""
+    config = {"seed": 11, "width": 5, "hidden": 4, "outputs": 3, "rows_per_rank": 2}
+    model = make_model(0, config)
+    sizes = [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+    return {**config, "bucket_size_mb": (sizes[0] + sizes[1]) / BYTES_PER_MB}  # exact: a power-of-two divisor
+
+
 def describe(config: dict) -> str:
     return f"{config} (bucket limit {round(config['bucket_size_mb'] * BYTES_PER_MB)} bytes)"
 
@@ -228,6 +237,7 @@ def test_matches_single_process(ranks, world_size, config):
 @pytest.mark.parametrize("world_size", [2])
 @examples(PROBLEM, shrink=False)
 @given(config=configs())
+@example(config=limit_at_equality())
 def test_bucket_partition(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
     buckets = expected_buckets(config)
