@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_equal, assert_raises
@@ -138,8 +138,13 @@ class Dropping:
         assert_equal(actual, gate_TK.grad, what=what, context=self.context)
 
 
+# ceil(4 x 3 x 2 / 4) = 6 slots for 3 tokens: the contract says the capacity is not capped at T.
+CAPACITY_ABOVE_T = CapacityCase(tokens=3, experts=4, k=2, capacity_factor=4.0, seed=1)
+
+
 @examples(PROBLEM, 0.5)
 @given(case=capacity_cases())
+@example(case=CAPACITY_ABOVE_T)
 def test_capacity(student, reference, case):
     Dropping(student, reference, case).check_capacity()
 
