@@ -415,6 +415,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "one_f_one_b_matches_single_process": 5,
             "gpipe_order": 2,
             "one_f_one_b_order": 4,
+            "invalid_arguments": 1,
         },
         budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=90.0,
@@ -429,6 +430,7 @@ PROBLEMS: tuple[Problem, ...] = (
             ),
             "gpipe_order": "in-process: forward and backward order recorded by hooks in the ranks",
             "one_f_one_b_order": "in-process: forward and backward order recorded by hooks in the ranks",
+            "invalid_arguments": "in-process: exception types raised in the ranks",
         },
     ),
     Problem(

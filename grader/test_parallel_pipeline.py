@@ -284,3 +284,38 @@ def test_one_f_one_b_order(ranks, world_size, data):
     # m >= p: every stage goes through warm-up, steady state and cool-down.
     config = data.draw(configs(world_size, "1f1b", micro_batches=st.integers(world_size, 2 * world_size + 1)))
     check_orders(run_stages(ranks, world_size, config), config, world_size)
+
+
+INVALID_STEPS = {"schedule='zigzag'": {"schedule": "zigzag", "micro_batches": 2},
+                 "micro_batches=0": {"schedule": "gpipe", "micro_batches": 0}}
+
+
+def step_invalid(student, rank: int, world_size: int) -> dict:
+    """Runs in a rank process: pipeline_step with each invalid argument of INVALID_STEPS, on every stage at once; the
+    class names of what each raised (None: it returned). A stage that waits for a peer instead of raising hangs."""
+    device = rank_device()
+    stage = torch.nn.Linear(4, 4).to(device)
+    rows = 4
+    inputs = torch.zeros(rows, 4, device=device) if rank == 0 else None
+    targets = torch.zeros(rows, 4, device=device) if rank == world_size - 1 else None
+    raised = {}
+    for call, arguments in INVALID_STEPS.items():
+        try:
+            student.pipeline_step(stage, inputs, targets, arguments["micro_batches"], arguments["schedule"], (2, 4),
+                                  torch.nn.functional.mse_loss)
+            raised[call] = None
+        except NotImplementedError:
+            raise
+        except Exception as error:  # noqa: BLE001 - the kind of error is what is graded
+            raised[call] = [cls.__name__ for cls in type(error).__mro__]
+    return raised
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_invalid_arguments(ranks, world_size):
+    for rank, raised in enumerate(ranks.run(step_invalid, world_size)):
+        for call, type_names in raised.items():
+            if type_names is None or "ValueError" not in type_names:
+                got = "it returned normally" if type_names is None else f"it raised {type_names[0]}"
+                raise WrongAnswer(f"pipeline_step({call}) on stage {rank} of {world_size} must raise ValueError "
+                                  f"before sending anything; {got}")

@@ -47,8 +47,11 @@ def pipeline_step(
     loss_fn: Callable[[Tensor, Tensor], Tensor],
     group: dist.ProcessGroup | None = None,
 ) -> Tensor | None:
+    # Checked on every stage before any message, so that no stage is left waiting for a peer that has raised.
     if schedule not in SCHEDULES:
         raise ValueError(f"schedule must be one of {SCHEDULES}, got {schedule!r}")
+    if micro_batches < 1:
+        raise ValueError(f"need micro_batches >= 1, got {micro_batches}")
     stage, stages = dist.get_rank(group), dist.get_world_size(group)
     first, last = stage == 0, stage == stages - 1
     parameter = next(stage_module.parameters())

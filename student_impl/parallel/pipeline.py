@@ -88,10 +88,11 @@ def pipeline_step(
 
     Returns:
         On stage p - 1: the full-batch mean loss, the sum over micro-batches of loss_fn(output_i, target_i) / m, as
-        a detached 0-d tensor. On every other stage: None.
+        a detached 0-d tensor of loss_fn's dtype. On every other stage: None.
 
     Raises:
-        ValueError: if schedule is not "gpipe" or "1f1b", or (on the stages holding them) m does not divide B.
+        ValueError: on every stage, before any message is sent, if schedule is not "gpipe" or "1f1b" or if
+            micro_batches < 1; and, on the stages holding them, if m does not divide B.
 
     Do not use torch.distributed.pipelining or any other library's pipeline.
     """
