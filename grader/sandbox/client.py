@@ -184,6 +184,9 @@ class Sandbox:
             raise RuleViolation(
                 f"{what} left {', '.join(reply['left_running'])} running after it returned: a call must finish its work"
             )
+        if reply.get("modified"):
+            raise RuleViolation(f"{what} changed its input ({', '.join(reply['modified'])}) in place: leave every "
+                                "input as it was given")
         if reply["forbidden"]:
             raise RuleViolation(
                 f"{what} called {', '.join(reply['forbidden'])}: this problem is to reimplement that operator"

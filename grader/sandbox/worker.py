@@ -87,11 +87,16 @@ class Worker:
         grad = request.get("grad")
         if grad is not None:
             args = [a.detach().requires_grad_(True) if i in grad["inputs"] else a for i, a in enumerate(args)]
+        inputs = {**{f"argument {i}": a for i, a in enumerate(args)}, **kwargs}
+        # Copies of the tensor inputs, which a correct call leaves as they were: an implementation that writes its
+        # result (or scratch) into an input would corrupt its caller's tensor.
+        before = {name: a.detach().clone() for name, a in inputs.items() if isinstance(a, torch.Tensor)}
         with self.watched() as observed:
             value = function(*args, **kwargs)
             grads = None
             if grad is not None:
                 grads = self.backward(value, args, grad)
+        observed["modified"] = [name for name, copy in before.items() if not unchanged(inputs[name], copy)]
         return {"status": "ok", "value": to_plain(value), "grads": grads, **observed}
 
     @contextlib.contextmanager
@@ -157,6 +162,17 @@ class Worker:
             if isinstance(error, (KeyboardInterrupt, SystemExit)):
                 raise
             return describe_exception(error, self.impl_dir)
+
+
+def unchanged(now: torch.Tensor, before: torch.Tensor) -> bool:
+    """Same shape, dtype and values, NaN where NaN was."""
+    if now.shape != before.shape or now.dtype != before.dtype:
+        return False
+    with torch.no_grad():
+        same = now.detach() == before
+        if before.is_floating_point() or before.is_complex():
+            same |= now.detach().isnan() & before.isnan()
+        return bool(same.all())
 
 
 def triton_hooks_module():
