@@ -65,6 +65,14 @@ def check_tensor_form(actual, expected: torch.Tensor, what: str, context: str) -
         raise WrongAnswer(f"{what}: on device {actual.device}, expected {expected.device.type} ({context})")
 
 
+def assert_contiguous(actual, what: str, context: str) -> None:
+    """For an output the contract promises as a new contiguous tensor: a transposed or strided result (say C^T
+    computed and returned as a view) has the right values and the wrong layout for its caller."""
+    if isinstance(actual, torch.Tensor) and not actual.is_contiguous():
+        raise WrongAnswer(f"{what}: not contiguous (strides {actual.stride()} for shape {tuple(actual.shape)}); the "
+                          f"contract asks for a new contiguous tensor ({context})")
+
+
 def assert_close(
     actual,
     expected64: torch.Tensor,

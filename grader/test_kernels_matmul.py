@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close, assert_raises
+from grader.compare import assert_close, assert_contiguous, assert_raises
 from grader.context import current
 from grader.marks import bf16_gpu_only, gpu_only
 from grader.profiles import examples
@@ -100,6 +100,7 @@ def check(student, reference, case: MatmulCase, activation: str | None = None) -
     kwargs = {} if activation is None else {"activation": activation}
     with student.describing(case.describe()):
         actual = student.call("matmul", a, b, **kwargs)
+    assert_contiguous(actual, "matmul(a, b)", case.describe())
     assert_close(
         actual,
         reference.matmul_torch(a.double(), b.double(), activation),

@@ -14,7 +14,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close, assert_raises, check_tensor_form
+from grader.compare import assert_close, assert_contiguous, assert_raises, check_tensor_form
 from grader.context import current
 from grader.marks import bf16_gpu_only, gpu_only
 from grader.outcomes import WrongAnswer
@@ -113,6 +113,7 @@ def check_forward(student, reference, case: NormCase) -> None:
         at_dtype = reference.rmsnorm(x, weight, case.eps)
     what = "rmsnorm(x, weight, eps)"
     check_tensor_form(actual, at_dtype, what, case.describe())
+    assert_contiguous(actual, what, case.describe())
     if at_dtype.numel() > 1 and bool((at_dtype == at_dtype.flatten()[0]).all()):
         # D = 1 and rows of one sign: y = w x / sqrt(x^2 + eps) rounds to the same value in every row, so a constant
         # output is right although the float64 one varies in its last digits. assert_close rejects constant

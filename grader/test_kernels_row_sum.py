@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close, assert_raises
+from grader.compare import assert_close, assert_contiguous, assert_raises
 from grader.context import current
 from grader.marks import bf16_gpu_only, gpu_only
 from grader.profiles import examples
@@ -45,6 +45,7 @@ def check(student, reference, case: TensorCase) -> None:
     x = case.make(current().device)
     with student.describing(case.describe()):
         actual = student.call("row_sum", x)
+    assert_contiguous(actual, "row_sum(x)", case.describe())
     expected64 = reference.row_sum_torch(x.double())
     floor_ulps = floor_ulps_of_abs_sums(x.double().cpu(), expected64.cpu())
     context = case.describe()

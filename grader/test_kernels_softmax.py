@@ -7,7 +7,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close, assert_raises
+from grader.compare import assert_close, assert_contiguous, assert_raises
 from grader.context import current
 from grader.marks import bf16_gpu_only, gpu_only
 from grader.profiles import examples
@@ -30,6 +30,7 @@ def check(student, reference, case: TensorCase) -> None:
     x = case.make(current().device)
     with student.describing(case.describe()):
         actual = student.call("softmax", x)
+    assert_contiguous(actual, "softmax(x)", case.describe())
     assert_close(
         actual,
         reference.softmax_torch(x.double()),
