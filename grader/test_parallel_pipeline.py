@@ -11,6 +11,8 @@ the full batch; the recorded orders are compared with the pinned schedules.
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -18,6 +20,7 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_raises
 from grader.distributed.rank_data import without_seeds
+from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.strategies import data_seeds
@@ -298,24 +301,15 @@ def step_invalid(student, rank: int, world_size: int) -> dict:
     rows = 4
     inputs = torch.zeros(rows, 4, device=device) if rank == 0 else None
     targets = torch.zeros(rows, 4, device=device) if rank == world_size - 1 else None
-    raised = {}
-    for call, arguments in INVALID_STEPS.items():
-        try:
-            student.pipeline_step(stage, inputs, targets, arguments["micro_batches"], arguments["schedule"], (2, 4),
-                                  torch.nn.functional.mse_loss)
-            raised[call] = None
-        except NotImplementedError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the kind of error is what is graded
-            raised[call] = [cls.__name__ for cls in type(error).__mro__]
-    return raised
+    return raised_by({call: functools.partial(student.pipeline_step, stage, inputs, targets,
+                                              arguments["micro_batches"], arguments["schedule"], (2, 4),
+                                              torch.nn.functional.mse_loss)
+                      for call, arguments in INVALID_STEPS.items()})
 
 
 @pytest.mark.parametrize("world_size", [2])
 def test_invalid_arguments(ranks, world_size):
     for rank, raised in enumerate(ranks.run(step_invalid, world_size)):
-        for call, type_names in raised.items():
-            if type_names is None or "ValueError" not in type_names:
-                got = "it returned normally" if type_names is None else f"it raised {type_names[0]}"
-                raise WrongAnswer(f"pipeline_step({call}) on stage {rank} of {world_size} must raise ValueError "
-                                  f"before sending anything; {got}")
+        for call, got in not_raising(raised, "ValueError"):
+            raise WrongAnswer(f"pipeline_step({call}) on stage {rank} of {world_size} must raise ValueError "
+                              f"before sending anything; {got}")

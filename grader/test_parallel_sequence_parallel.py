@@ -23,6 +23,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_equal
 from grader.distributed import recorder
 from grader.distributed.rank_data import without_seeds
+from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.strategies import data_seeds
@@ -404,22 +405,11 @@ def call_invalid(student, rank: int, world_size: int) -> dict:
         "SequenceParallelMLPBlock with dropout_p=-0.1": lambda: student.SequenceParallelMLPBlock(
             torch.nn.LayerNorm(3), torch.nn.Linear(3, 2 * n), torch.nn.Linear(2 * n, 3), -0.1),
     }
-    raised = {}
-    for call, attempt in attempts.items():
-        try:
-            attempt()
-            raised[call] = None
-        except NotImplementedError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the kind of error is what is graded
-            raised[call] = [cls.__name__ for cls in type(error).__mro__]
-    return raised
+    return raised_by(attempts)
 
 
 @pytest.mark.parametrize("world_size", [2])
 def test_invalid_arguments(ranks, world_size):
     for rank, raised in enumerate(ranks.run(call_invalid, world_size)):
-        for call, type_names in raised.items():
-            if type_names is None or "ValueError" not in type_names:
-                got = "it returned normally" if type_names is None else f"it raised {type_names[0]}"
-                raise WrongAnswer(f"{call} on rank {rank} of {world_size} must raise ValueError; {got}")
+        for call, got in not_raising(raised, "ValueError"):
+            raise WrongAnswer(f"{call} on rank {rank} of {world_size} must raise ValueError; {got}")

@@ -24,6 +24,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
 from grader.distributed.rank_data import without_seeds
+from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
 from grader.outcomes import WrongAnswer
 from grader.strategies import data_seeds
@@ -356,23 +357,12 @@ def construct_invalid(student, rank: int, world_size: int) -> dict:
                                             torch.nn.Linear(2 * world_size + 2, 2 * world_size + 2),
                                             world_size + 1, False)),
     }
-    raised = {}
-    for call, attempt in attempts.items():
-        try:
-            attempt()
-            raised[call] = None
-        except NotImplementedError:
-            raise
-        except Exception as error:  # noqa: BLE001 - the kind of error is what is graded
-            raised[call] = [cls.__name__ for cls in type(error).__mro__]
-    return raised
+    return raised_by(attempts)
 
 
 @pytest.mark.parametrize("world_size", [2])
 def test_invalid_arguments(ranks, world_size):
     for rank, raised in enumerate(ranks.run(construct_invalid, world_size)):
-        for call, type_names in raised.items():
-            if type_names is None or "ValueError" not in type_names:
-                got = "it returned normally" if type_names is None else f"it raised {type_names[0]}"
-                raise WrongAnswer(f"{call} on rank {rank} of {world_size} (N={world_size}) must raise ValueError: "
-                                  f"the size does not divide by N; {got}")
+        for call, got in not_raising(raised, "ValueError"):
+            raise WrongAnswer(f"{call} on rank {rank} of {world_size} (N={world_size}) must raise ValueError: "
+                              f"the size does not divide by N; {got}")
