@@ -355,7 +355,9 @@ PROBLEMS: tuple[Problem, ...] = (
             "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
             "frozen_parameter": "outside: training values; in-process: the count of all-reduces",
             "tied_weights": "outside: training values; in-process: the count of all-reduces",
-            "overlaps_backward": "in-process: recorded all-reduces, their phase, async flag and the phase of their wait",
+            "overlaps_backward": (
+                "in-process: recorded all-reduces, their phase, async flag and the phase of their wait"
+            ),
         },
     ),
     Problem(

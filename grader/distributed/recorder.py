@@ -2,7 +2,8 @@
 
 Each collective or point-to-point call is appended to `CALLS` (its name, bytes, whether it was asynchronous, the
 grader program's phase when it was issued and, for an asynchronous one, the phase when its handle or the handle's
-future was first waited on) and written to the rank's progress file as it starts. When ranks hang, the progress files say which ranks never reached the call the others are waiting in.
+future was first waited on) and written to the rank's progress file as it starts. When ranks hang, the progress files
+say which ranks never reached the call the others are waiting in.
 """
 
 from __future__ import annotations
@@ -216,7 +217,7 @@ def _note_wait(handle) -> None:
 
 
 def _install_waits() -> None:
-    """Work.wait, Work.get_future and Future.wait record, on the Call a handle came from, the phase of its first wait."""
+    """Work.wait, Work.get_future and Future.wait note, on the Call a handle came from, the phase of its first wait."""
     work_wait, get_future, future_wait = c10d_bindings.Work.wait, c10d_bindings.Work.get_future, torch._C.Future.wait
     if getattr(work_wait, "__wrapped_by_grader__", False):
         return
