@@ -16,12 +16,13 @@ from grader import attention_cases
 from grader.attention_cases import (
     INVALID,
     attention_cases as cases,
+    call_and_expect,
     check_gradients,
     check_lse,
     check_no_score_matrix,
     check_output,
     check_raises,
-    expected,
+    probe_and_expect,
     run_probe,
     sequence_lengths,
 )
@@ -43,9 +44,8 @@ SEQ = sequence_lengths(MAX_SEQ)
 @given(case=cases(DTYPES, causal=st.just(False), seq=SEQ))
 def test_forward(student, reference, case):
     q, k, v, _ = case.inputs()
-    with student.describing(case.describe()):
-        actual = student.call("flash_attention", q, k, v, is_causal=False)
-    check_output(actual, expected(reference, case, q, k, v), **TOLERANCE, context=case.describe())
+    actual, want = call_and_expect(student, reference, case, q, k, v)
+    check_output(actual, want, **TOLERANCE, context=case.describe())
 
 
 @examples(PROBLEM)
@@ -53,16 +53,16 @@ def test_forward(student, reference, case):
 def test_logsumexp(student, reference, case):
     """L = log sum_j exp(S_ij), the fifth tensor of ctx.save_for_backward(q, k, v, o, L)."""
     q, k, v, _ = case.inputs()
-    report = run_probe(student, case, q, k, v)
-    check_lse(report, expected(reference, case, q, k, v), **TOLERANCE, context=case.describe())
+    report, want = probe_and_expect(student, reference, case, q, k, v)
+    check_lse(report, want, **TOLERANCE, context=case.describe())
 
 
 @examples(PROBLEM)
 @given(case=cases(DTYPES, causal=st.just(False), seq=SEQ))
 def test_backward(student, reference, case):
     q, k, v, grad_o = case.inputs()
-    report = run_probe(student, case, q, k, v, grad_o)
-    check_gradients(report, expected(reference, case, q, k, v, grad_o), **TOLERANCE, context=case.describe())
+    report, want = probe_and_expect(student, reference, case, q, k, v, grad_o)
+    check_gradients(report, want, **TOLERANCE, context=case.describe())
 
 
 @examples(PROBLEM)
@@ -70,8 +70,7 @@ def test_backward(student, reference, case):
 def test_causal(student, reference, case):
     """Query i attends key j iff j <= i: the output and all three gradients."""
     q, k, v, grad_o = case.inputs()
-    report = run_probe(student, case, q, k, v, grad_o)
-    want = expected(reference, case, q, k, v, grad_o)
+    report, want = probe_and_expect(student, reference, case, q, k, v, grad_o)
     check_output(report["output"], want, **TOLERANCE, context=case.describe())
     check_gradients(report, want, **TOLERANCE, context=case.describe())
 

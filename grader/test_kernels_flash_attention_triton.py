@@ -17,12 +17,13 @@ from grader import attention_cases
 from grader.attention_cases import (
     INVALID,
     attention_cases as cases,
+    call_and_expect,
     check_gradients,
     check_lse,
     check_no_score_matrix,
     check_output,
     check_raises,
-    expected,
+    probe_and_expect,
     run_probe,
 )
 from grader.marks import bf16_gpu_only, gpu_only
@@ -40,9 +41,8 @@ TOLERANCE = dict(error_multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor
 
 def check_forward(student, reference, case) -> None:
     q, k, v, _ = case.inputs()
-    with student.describing(case.describe()):
-        actual = student.call("flash_attention", q, k, v, is_causal=False)
-    check_output(actual, expected(reference, case, q, k, v), **TOLERANCE, context=case.describe())
+    actual, want = call_and_expect(student, reference, case, q, k, v)
+    check_output(actual, want, **TOLERANCE, context=case.describe())
 
 
 @examples(PROBLEM)
@@ -69,16 +69,16 @@ def test_forward_bf16(student, reference, case):
 def test_logsumexp(student, reference, case):
     """L = log sum_j exp(S_ij), the fifth tensor of ctx.save_for_backward(q, k, v, o, L)."""
     q, k, v, _ = case.inputs()
-    report = run_probe(student, case, q, k, v, uses_triton=True)
-    check_lse(report, expected(reference, case, q, k, v), **TOLERANCE, context=case.describe())
+    report, want = probe_and_expect(student, reference, case, q, k, v, uses_triton=True)
+    check_lse(report, want, **TOLERANCE, context=case.describe())
 
 
 @examples(PROBLEM)
 @given(case=cases(DTYPES, causal=st.just(False)))
 def test_backward(student, reference, case):
     q, k, v, grad_o = case.inputs()
-    report = run_probe(student, case, q, k, v, grad_o, uses_triton=True)
-    check_gradients(report, expected(reference, case, q, k, v, grad_o), **TOLERANCE, context=case.describe())
+    report, want = probe_and_expect(student, reference, case, q, k, v, grad_o, uses_triton=True)
+    check_gradients(report, want, **TOLERANCE, context=case.describe())
 
 
 @examples(PROBLEM)
@@ -86,8 +86,7 @@ def test_backward(student, reference, case):
 def test_causal(student, reference, case):
     """Query i attends key j iff j <= i: the output and all three gradients."""
     q, k, v, grad_o = case.inputs()
-    report = run_probe(student, case, q, k, v, grad_o, uses_triton=True)
-    want = expected(reference, case, q, k, v, grad_o)
+    report, want = probe_and_expect(student, reference, case, q, k, v, grad_o, uses_triton=True)
     check_output(report["output"], want, **TOLERANCE, context=case.describe())
     check_gradients(report, want, **TOLERANCE, context=case.describe())
 

@@ -106,11 +106,15 @@ def arguments(case: NormCase, x: torch.Tensor, weight: torch.Tensor) -> tuple:
 def check_forward(student, reference, case: NormCase) -> None:
     device = current().device
     x, weight = case.x(device), case.weight(device)
+
+    def expected():
+        with torch.no_grad():
+            exact = reference.rmsnorm_torch(x.double(), weight.double(), case.eps)
+            return exact, reference.rmsnorm(x, weight, case.eps)
+
     with student.describing(case.describe()):
-        actual = student.call("rmsnorm", *arguments(case, x, weight))
-    with torch.no_grad():
-        expected64 = reference.rmsnorm_torch(x.double(), weight.double(), case.eps)
-        at_dtype = reference.rmsnorm(x, weight, case.eps)
+        reply, (expected64, at_dtype) = student.call_beside(expected, "rmsnorm", *arguments(case, x, weight))
+    actual = reply["value"]
     what = "rmsnorm(x, weight, eps)"
     check_tensor_form(actual, at_dtype, what, case.describe())
     assert_contiguous(actual, what, case.describe())
@@ -174,10 +178,13 @@ def check_backward(student, reference, case: NormCase) -> None:
     device = current().device
     x, weight, upstream = case.x(device), case.weight(device), case.upstream(device)
     grad = {"inputs": [0, 1], "upstream": [upstream]}
+
+    def expected():
+        return (reference_gradients(reference.rmsnorm_torch, x.double(), weight.double(), case.eps, upstream.double()),
+                reference_gradients(reference.rmsnorm, x, weight, case.eps, upstream))
+
     with student.describing(case.describe()):
-        reply = student.call_traced("rmsnorm", *arguments(case, x, weight), grad=grad)
-    exact = reference_gradients(reference.rmsnorm_torch, x.double(), weight.double(), case.eps, upstream.double())
-    at_dtype = reference_gradients(reference.rmsnorm, x, weight, case.eps, upstream)
+        reply, (exact, at_dtype) = student.call_beside(expected, "rmsnorm", *arguments(case, x, weight), grad=grad)
     term_scales = gradient_term_scales(x, weight, case.eps, upstream)
     for index, name in enumerate(("x", "weight")):
         what = f"gradient of {name}"

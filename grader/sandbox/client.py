@@ -167,14 +167,21 @@ class Sandbox:
         """The student's `function(*args, **kwargs)`; raises StudentError if it raised."""
         return self.call_traced(function, *args, **kwargs)["value"]
 
+    def call_beside(self, grader_work, function: str, *args, grad: dict | None = None,
+                    **kwargs) -> tuple[dict, object]:
+        """(call_traced(function, *args, grad=grad, **kwargs), grader_work()): the grader's own work on the same inputs
+        (the reference's answer, its yardstick) runs while the worker computes instead of after it, which hides the
+        reference's Triton compiles on a GPU and its interpreter time on a CPU of two cores or more."""
+        what = f"{function}()"
+        reply, grader_value = self._request_beside(
+            grader_work, {"op": "call", "function": function, "args": list(args), "kwargs": kwargs, "grad": grad},
+            what, function)
+        self.enforce_rules(reply, what)
+        return reply, grader_value
+
     def call_traced(self, function: str, *args, grad: dict | None = None, **kwargs) -> dict:
         """Like call, with what the worker observed: Triton launches, forbidden operators, gradients."""
-        what = f"{function}()"
-        reply = self.request(
-            {"op": "call", "function": function, "args": list(args), "kwargs": kwargs, "grad": grad}, what, function
-        )
-        self.enforce_rules(reply, what)
-        return reply
+        return self.call_beside(None, function, *args, grad=grad, **kwargs)[0]
 
     def enforce_rules(self, reply: dict, what: str) -> None:
         if reply.get("tampered"):
@@ -225,20 +232,44 @@ class Sandbox:
         """Run grader code `module:function(student_module, *args, **kwargs)` inside the worker."""
         return self.request({"op": "program", "target": target, "args": list(args), "kwargs": kwargs}, target)["value"]
 
+    def run_program_beside(self, grader_work, target: str, *args, **kwargs) -> tuple:
+        """(run_program(target, *args, **kwargs), grader_work()), the two running at the same time."""
+        reply, grader_value = self._request_beside(
+            grader_work, {"op": "program", "target": target, "args": list(args), "kwargs": kwargs}, target)
+        return reply["value"], grader_value
+
     def request(self, message: dict, what: str, function: str | None = None) -> dict:
         """Send one request and wait for its reply; `function` names the student function it calls, if it is one."""
-        if function in self.not_implemented:
-            raise NotImplementedByStudent("not implemented")
-        timeout, limit = self.call_timeout_s, f"within {self.call_timeout_s:.0f} s"
+        return self._request_beside(None, message, what, function)[0]
+
+    def _time_left(self, sent_s: float) -> tuple[float, str]:
+        """How much longer the request sent at `sent_s` may take, and how to say so when it runs out."""
+        timeout = self.call_timeout_s - (time.monotonic() - sent_s)
+        limit = f"within {self.call_timeout_s:.0f} s"
         if self.budget is not None and self.budget.remaining_s() < timeout:
             timeout, limit = self.budget.remaining_s(), f"before {self.budget.spent_message()}"
-        if timeout <= 0:
+        return timeout, limit
+
+    def _request_beside(self, grader_work, message: dict, what: str,
+                        function: str | None = None) -> tuple[dict, object]:
+        if function in self.not_implemented:
+            raise NotImplementedByStudent("not implemented")
+        if self._time_left(time.monotonic())[0] <= 0:
             raise StudentTimedOut(f"{what} was not started: {self.budget.spent_message()}")
         if self.process is None:
             self.start()
+        sent_s = time.monotonic()
         self.connection.send_bytes(encode(message))
+        grader_value = None
+        if grader_work is not None:
+            try:
+                grader_value = grader_work()
+            except BaseException:
+                self.stop()  # its reply would answer the next request
+                raise
+        timeout, limit = self._time_left(sent_s)
         note = self.budget.reference_note(function or what) if self.budget is not None else ""
-        reply = self.receive(timeout, what, limit, note)
+        reply = self.receive(max(timeout, 0.0), what, limit, note)
         if reply["status"] == "error":
             if reply["kind"] == "not_implemented":
                 if function is not None:
@@ -247,7 +278,7 @@ class Sandbox:
             raise StudentError(
                 f"{what} raised {reply['message']}\n{reply['traceback']}", tuple(reply["type_names"]), reply["message"]
             )
-        return reply
+        return reply, grader_value
 
     def receive(self, timeout_s: float, what: str, limit: str = "", note: str = "") -> dict:
         limit = limit or f"within {timeout_s:.0f} s"
