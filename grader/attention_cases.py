@@ -186,13 +186,16 @@ def _tensor_attributes(node) -> list[str]:
     return found
 
 
-def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[str, ...] = ()) -> dict:
-    """Run module.flash_attention(q, k, v, is_causal) (and its backward from grad_o, if given) under observation."""
+def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[str, ...] = (),
+          uses_triton: bool = False) -> dict:
+    """Run module.flash_attention(q, k, v, is_causal) (and its backward from grad_o, if given) under observation;
+    with uses_triton, torch may only allocate, view and copy (grader.sandbox.allowed_ops)."""
     from grader.sandbox import guards, triton_hooks
+    from grader.sandbox.allowed_ops import ALLOWED_OPS
 
     inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
     squares = _SquareTensorRecorder(q.shape[-2])
-    forbidden = guards.ForbiddenOpRecorder(tuple(forbidden_ops))
+    forbidden = guards.ForbiddenOpRecorder(tuple(forbidden_ops), ALLOWED_OPS if uses_triton else None)
     report = {"saved": None, "lse": None, "ctx_tensors": [], "backward_launches": [], "grads": None}
     triton_hooks.LAUNCHES.reset()
     with forbidden, squares:
@@ -213,6 +216,7 @@ def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[st
     report["output"] = output.detach() if isinstance(output, torch.Tensor) else output
     report["square_tensors"] = squares.seen
     report["forbidden"] = forbidden.seen
+    report["computed"] = forbidden.computed
     return report
 
 
@@ -224,7 +228,7 @@ def run_probe(student, case: AttentionCase, q, k, v, grad_o=None, uses_triton: b
     pair (report, beside()), the grader's work done while the worker runs the probe."""
     with student.describing(case.describe()):
         report, grader_value = student.run_program_beside(
-            beside, f"{__name__}:probe", q, k, v, case.is_causal, grad_o, FORBIDDEN_OPS)
+            beside, f"{__name__}:probe", q, k, v, case.is_causal, grad_o, FORBIDDEN_OPS, uses_triton)
     check_rules(report, uses_triton, grad_o is not None, case.describe())
     return report if beside is None else (report, grader_value)
 
@@ -394,6 +398,9 @@ def check_rules(report: dict, uses_triton: bool, backward: bool, context: str) -
     if uses_triton and backward and not report["backward_launches"]:
         raise RuleViolation(f"the backward of flash_attention launched no Triton kernel: it must be yours, in "
                             f"Triton ({context})")
+    if report["computed"]:
+        raise RuleViolation(f"flash_attention computed with {', '.join(report['computed'])} outside a Triton kernel: "
+                            f"torch may only allocate, view and copy tensors here ({context})")
 
 
 # --- invalid arguments: one fault each --------------------------------------------------------------------------

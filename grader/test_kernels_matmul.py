@@ -17,6 +17,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_contiguous, assert_raises
 from grader.context import current
 from grader.marks import bf16_gpu_only, gpu_only
+from grader.outcomes import RuleViolation
 from grader.profiles import examples
 from grader.speed import SpeedSpec, grade_speed
 from grader.strategies import LAYOUTS, REGIMES, TensorCase, dims, size_scale
@@ -103,6 +104,10 @@ def check(student, reference, case: MatmulCase, activation: str | None = None) -
             lambda: (reference.matmul_torch(a.double(), b.double(), activation), reference.matmul(a, b, activation)),
             "matmul", a, b, **kwargs)
     actual = reply["value"]
+    if len(reply["launches"]) != 1:
+        raise RuleViolation(f"matmul(a, b{'' if activation is None else ', activation=' + repr(activation)}) launched "
+                            f"{len(reply['launches'])} Triton kernels ({', '.join(reply['launches'])}): the contract "
+                            f"is one launch per call, with the GeLU fused into its epilogue ({case.describe()})")
     assert_contiguous(actual, "matmul(a, b)", case.describe())
     assert_close(
         actual,

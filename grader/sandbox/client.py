@@ -200,6 +200,11 @@ class Sandbox:
             )
         if self.uses_triton and not reply["launches"]:
             raise RuleViolation(f"{what} launched no Triton kernel: the work must be done by your Triton kernel")
+        if self.uses_triton and reply.get("backward_launches") == []:
+            raise RuleViolation(f"the backward of {what} launched no Triton kernel: it must be yours, in Triton")
+        if reply.get("computed"):
+            raise RuleViolation(f"{what} computed with {', '.join(reply['computed'])} outside a Triton kernel: here "
+                                "torch may only allocate, view and copy tensors, and the values are your kernels' work")
 
     def time_call(self, function: str, inputs: str, case: tuple, seed: int, check_rules: bool,
                   harness: str | None = None) -> float:

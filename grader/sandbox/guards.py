@@ -15,6 +15,8 @@ from pathlib import Path
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from grader.sandbox import allowed_ops
+
 
 class ForbiddenImport(ImportError):
     pass
@@ -68,9 +70,11 @@ def block_reference(package_name: str | None, directory: Path | None) -> None:
 
 class ForbiddenOpRecorder(TorchDispatchMode):
     """Records which of the given aten operators were called while active (any route: torch.x, Tensor.x, F.x), in
-    this thread and, once `record_every_thread()` ran, in every thread started from Python."""
+    this thread and, once `record_every_thread()` ran, in every thread started from Python. With `allow_only`, it
+    also records in `computed` every operator outside that allowlist that Triton's own code did not call, and every
+    read of tensor values into Python or numpy (see grader.sandbox.allowed_ops)."""
 
-    def __init__(self, op_names: tuple[str, ...]):
+    def __init__(self, op_names: tuple[str, ...], allow_only: frozenset[str] | None = None):
         super().__init__()
         self.packets = {}
         for name in op_names:
@@ -78,12 +82,20 @@ class ForbiddenOpRecorder(TorchDispatchMode):
             packet = getattr(getattr(torch.ops, namespace), op, None)
             if packet is not None:
                 self.packets[packet] = name
+        self.allow_only = allow_only
         self.seen: list[str] = []
+        self.computed: list[str] = []
 
     def note(self, func) -> None:
         name = self.packets.get(func.overloadpacket)
         if name is not None and name not in self.seen:
             self.seen.append(name)
+        if self.allow_only is not None and str(func.overloadpacket) not in self.allow_only:
+            self.note_computed(str(func.overloadpacket))
+
+    def note_computed(self, what: str) -> None:
+        if what not in self.computed and len(self.computed) < 8 and not allowed_ops.called_by_triton():
+            self.computed.append(what)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.note(func)
@@ -107,6 +119,21 @@ class _ForwardToActiveRecorders(TorchDispatchMode):
         for recorder in list(_ACTIVE_RECORDERS):
             recorder.note(func)
         return func(*args, **(kwargs or {}))
+
+
+def watch_value_reads() -> None:
+    """Make every read of a tensor's values into Python or numpy (`.numpy()`, `np.asarray(t)`, `.tolist()`) known to
+    the allowlist recorders active at that moment (`.item()` is an operator, aten._local_scalar_dense)."""
+    for name in ("numpy", "__array__", "tolist"):
+        original = getattr(torch.Tensor, name)
+
+        def reading(self, *args, _original=original, _name=name, **kwargs):
+            for recorder in list(_ACTIVE_RECORDERS):
+                if recorder.allow_only is not None:
+                    recorder.note_computed(f"Tensor.{_name}()")
+            return _original(self, *args, **kwargs)
+
+        setattr(torch.Tensor, name, reading)
 
 
 def record_every_thread(student_dir: Path) -> None:

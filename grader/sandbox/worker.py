@@ -27,6 +27,7 @@ import torch
 from grader.packages import PackageSpec, load_problem_module
 from grader import timing
 from grader.sandbox import guards
+from grader.sandbox.allowed_ops import ALLOWED_OPS
 from grader.sandbox.wire import decode, encode, to_plain
 
 
@@ -59,6 +60,10 @@ def describe_exception(error: BaseException, impl_dir: Path | None = None) -> di
 class Worker:
     def __init__(self, start: dict):
         self.forbidden_ops = tuple(start.get("forbidden_ops", ()))
+        # A Triton problem's calls may use torch only to allocate, view and copy (grader.sandbox.allowed_ops).
+        self.allow_only = ALLOWED_OPS if start.get("uses_triton") else None
+        if self.allow_only is not None:
+            guards.watch_value_reads()
         self.launches = None
         if os.environ.get("TRITON_INTERPRET") == "1" or start.get("uses_triton"):
             from grader.sandbox import triton_hooks
@@ -95,7 +100,11 @@ class Worker:
             value = function(*args, **kwargs)
             grads = None
             if grad is not None:
+                # The backward's launches apart from the forward's: each pass must run the student's kernels.
+                forward_launches = len(self.launches.names) if self.launches is not None else 0
                 grads = self.backward(value, args, grad)
+                observed["backward_launches"] = (
+                    self.launches.names[forward_launches:] if self.launches is not None else [])
         observed["modified"] = [name for name, copy in before.items() if not unchanged(inputs[name], copy)]
         return {"status": "ok", "value": to_plain(value), "grads": grads, **observed}
 
@@ -104,12 +113,15 @@ class Worker:
         """Records the Triton launches and forbidden operators of the code inside; fills the yielded dict with them."""
         if self.launches is not None:
             self.launches.reset()
-        recorder = guards.ForbiddenOpRecorder(self.forbidden_ops)
+        recorder = guards.ForbiddenOpRecorder(self.forbidden_ops, self.allow_only)
         observed = {}
         with recorder:
             yield observed
-        observed["launches"] = list(self.launches.names) if self.launches is not None else []
+        launches = list(self.launches.names) if self.launches is not None else []
+        backward = len(observed.get("backward_launches", ()))
+        observed["launches"] = launches[:len(launches) - backward]
         observed["forbidden"] = recorder.seen
+        observed["computed"] = recorder.computed
         observed["left_running"] = left_running()
         observed["tampered"] = self.tampering.changed()
 

@@ -4,9 +4,9 @@ Forward: each program normalises whole rows, so a row's mean square never leaves
 row's rstd = 1 / sqrt(mean(x^2) + eps) (4 bytes a row, saved for the backward instead of y or x_hat).
 Backward: for a row, dx = rstd * (g*w - x_hat * mean(g*w*x_hat)) with x_hat = x * rstd, which needs only that row;
 dweight = sum over rows of g * x_hat needs every row. Each program owns a contiguous range of rows, sums its
-rows' g * x_hat in registers and writes one fp32 partial row; a torch sum over the [n_programs, D] partials
-finishes dweight. No atomics: n_programs is a few per SM, so the partials cost a few percent of the traffic of
-reading g and x and writing dx.
+rows' g * x_hat in registers and writes one fp32 partial row; a second small kernel sums the [n_programs, D]
+partials by column into dweight. No atomics: n_programs is a few per SM, so the partials cost a few percent of the
+traffic of reading g and x and writing dx.
 """
 
 import math
@@ -34,6 +34,9 @@ MAX_NUM_WARPS = 16
 BACKWARD_PROGRAMS_PER_SM = 2
 # Under Triton's interpreter programs run one after another; a few still exercise the reduction across programs.
 INTERPRETER_BACKWARD_PROGRAMS = 4
+# The partials' column sum: 32 partial rows x 128 columns a step (16 fp32 values a thread at 4 warps).
+SUM_BLOCK_PARTIALS = 32
+SUM_BLOCK_COLS = 128
 
 
 def _check_arguments(x, weight, eps, allowed_dtypes: tuple[torch.dtype, ...]) -> None:
@@ -220,6 +223,37 @@ def _rmsnorm_backward_long_rows_kernel(
             tl.store(partial_row_ptr + offsets, partial + grad_y * x_hat, mask=mask)
 
 
+@triton.jit
+def _sum_partials_kernel(
+    partial_ptr,  # [n_partials, n_cols] float32, contiguous
+    grad_weight_ptr,  # [n_cols] in weight's dtype
+    n_partials,
+    n_cols,
+    BLOCK_PARTIALS: tl.constexpr,
+    BLOCK_COLS: tl.constexpr,
+):
+    # One program per block of columns reads its [n_partials, BLOCK_COLS] slab once and rounds once at the store.
+    cols = tl.program_id(0) * BLOCK_COLS + tl.arange(0, BLOCK_COLS)
+    col_mask = cols < n_cols
+    total = tl.zeros([BLOCK_COLS], tl.float32)
+    for start in range(0, n_partials, BLOCK_PARTIALS):
+        rows = start + tl.arange(0, BLOCK_PARTIALS)
+        mask = (rows[:, None] < n_partials) & col_mask[None, :]
+        total += tl.sum(tl.load(partial_ptr + rows[:, None] * n_cols + cols[None, :], mask=mask, other=0.0), axis=0)
+    tl.store(grad_weight_ptr + cols, total.to(grad_weight_ptr.dtype.element_ty), mask=col_mask)
+
+
+def _sum_partials(partial_grad_weight_PD: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    n_partials, n_cols = partial_grad_weight_PD.shape
+    grad_weight_D = torch.empty(n_cols, dtype=dtype, device=partial_grad_weight_PD.device)
+    block_cols = min(triton.next_power_of_2(n_cols), SUM_BLOCK_COLS)
+    _sum_partials_kernel[(triton.cdiv(n_cols, block_cols),)](
+        partial_grad_weight_PD, grad_weight_D, n_partials, n_cols,
+        BLOCK_PARTIALS=min(triton.next_power_of_2(n_partials), SUM_BLOCK_PARTIALS), BLOCK_COLS=block_cols,
+    )
+    return grad_weight_D
+
+
 def _as_rows(t: torch.Tensor) -> torch.Tensor:
     """t as [rows, n_cols] with unit column stride: a view whenever the leading dims collapse to one row stride."""
     n_cols = t.shape[-1]
@@ -292,7 +326,7 @@ def _rmsnorm_backward(
             grad_y_2d, x_2d, weight, rstd, grad_x_2d, partial_grad_weight_PD, *common,
             BLOCK_COLS=block_cols, num_warps=num_warps,
         )
-    return grad_x_2d, partial_grad_weight_PD.sum(dim=0).to(weight.dtype)
+    return grad_x_2d, _sum_partials(partial_grad_weight_PD, weight.dtype)
 
 
 class RMSNormFunction(torch.autograd.Function):

@@ -48,6 +48,7 @@ def flash_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, is_causal
     Every key is visible to every query, or, when is_causal, key j is visible to query i iff j <= i.
     The library attention and softmax (torch.nn.functional.scaled_dot_product_attention, torch.softmax and
     their aliases) must not be used; the forward and the backward must each launch your Triton kernels.
+    Beyond allocating, viewing and copying tensors, torch may not compute here (handout: "Do the work yourself").
 
     Args:
         q, k, v: tensors of one shape, either [batch, heads, seq, head_dim] or [batch*heads, seq, head_dim] (3-D:

@@ -14,6 +14,7 @@ def matmul(a: torch.Tensor, b: torch.Tensor, activation: str | None = None) -> t
         gelu(x) = 0.5 * x * (1 + tanh(sqrt(2 / pi) * (x + 0.044715 * x**3)))    (the tanh form, not the erf form)
     The library matrix products (`torch.mm`, `torch.matmul`, the `@` operator, `torch.nn.functional.linear`,
     `torch.einsum`, `torch.addmm`, `torch.bmm`, `torch.dot`, `torch.mv` and the like) must not be used.
+    Beyond allocating, viewing and copying tensors, torch may not compute here (handout: "Do the work yourself").
 
     Args:
         a: shape (M, K), M >= 1, K >= 1.
@@ -22,7 +23,8 @@ def matmul(a: torch.Tensor, b: torch.Tensor, activation: str | None = None) -> t
             (`x[:, ::2]`) and offset views are valid inputs. Both float32, float16 or bfloat16, the same dtype for
             both. On the same device: a CUDA device, or the CPU when Triton's interpreter is on (TRITON_INTERPRET=1).
         activation: None, or "gelu" to apply GeLU (the tanh formula above) to the float32 accumulator inside the
-            kernel, before the result is rounded and stored (a fused epilogue: no second pass over C).
+            kernel, before the result is rounded and stored (a fused epilogue: no second pass over C). Either way a
+            call launches exactly one Triton kernel.
 
     Returns:
         A new contiguous tensor c of shape (M, N), with the dtype and device of the inputs. Products are summed in a

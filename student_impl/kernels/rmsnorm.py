@@ -32,8 +32,8 @@ class RMSNormFunction(torch.autograd.Function):
         grad_x has x's shape and dtype; grad_weight has weight's shape (D,) and dtype; eps gets no gradient (None).
         All arithmetic in float32. grad_y may have any strides. grad_weight is a sum over every row: do not let all
         programs atomically add into the same D values (they would serialise on them); have each program sum its
-        own rows into a float32 partial row, and reduce the [n_programs, D] partials afterwards (a torch sum over
-        dim 0 is allowed for that last, small step).
+        own rows into a float32 partial row, and reduce the [n_programs, D] partials afterwards with a second, small
+        Triton kernel (a column sum): here, as in every Triton problem, torch may only allocate, view and copy.
         """
         raise NotImplementedError
 

@@ -11,6 +11,7 @@ def row_sum(x: torch.Tensor) -> torch.Tensor:
     For every row r (all indices but the last) of x with n = x.shape[-1] columns:
         y[r] = sum_{j < n} x[r, j].
     The library sum (`torch.sum`, `Tensor.sum`) must not be used.
+    Beyond allocating, viewing and copying tensors, torch may not compute here (handout: "Do the work yourself").
 
     Args:
         x: a tensor of shape (..., n) with ndim >= 1 and n >= 1. Any number of leading dims; any n, including

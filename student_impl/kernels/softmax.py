@@ -11,6 +11,7 @@ def softmax(x: torch.Tensor) -> torch.Tensor:
     For every row r (all indices but the last) and column j < n = x.shape[-1]:
         y[r, j] = exp(x[r, j] - m_r) / sum_k exp(x[r, k] - m_r),   m_r = max_k x[r, k].
     The library softmax (`torch.softmax`, `torch.nn.functional.softmax`, `Tensor.softmax`) must not be used.
+    Beyond allocating, viewing and copying tensors, torch may not compute here (handout: "Do the work yourself").
 
     Args:
         x: a tensor of shape (..., n) with ndim >= 1 and n >= 1. Any number of leading dims; any n, including rows
