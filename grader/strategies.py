@@ -20,6 +20,10 @@ from grader.context import secret_seed
 from grader.profiles import SIZE_SCALE
 
 LAYOUTS = ("contiguous", "transposed", "sliced", "offset")
+# Every layout the kernels' contracts name ("any strides"): also the first dim broadcast (stride 0, as
+# `x[None].expand(...)` gives) and rows that are not adjacent (the first n columns of a wider tensor).
+ALL_LAYOUTS = LAYOUTS + ("expanded", "row_padded")
+ROW_PADDING = 3  # odd: padded rows start at addresses no block size divides
 # What each regime is for: normal values; large magnitudes that overflow exp() without max-subtraction; many exact
 # ties (small integers) that expose unstable tie-breaking; tiny magnitudes near the dtype's resolution.
 REGIMES = ("normal", "large", "ties", "tiny")
@@ -35,6 +39,13 @@ def dims(max_size: int, tiles: tuple[int, ...] = (16, 32, 64, 128)) -> st.Search
     special = {1, 2, 3, 5, 7} | {t + d for t in tiles for d in (-1, 0, 1)}
     special = sorted(s for s in special if 1 <= s <= max_size)
     return st.one_of(st.sampled_from(special), st.integers(1, max_size))
+
+
+def long_lengths(low: int, high: int) -> st.SearchStrategy[int]:
+    """Row lengths from low to high, favouring 2^p + 1: one element past a whole number of blocks for every
+    power-of-two block size up to 2^p, where a dropped or doubled last element shows."""
+    just_past = [2**p + 1 for p in range(4, 40) if low <= 2**p + 1 <= high]
+    return st.one_of(st.sampled_from(just_past), st.integers(low, high)) if just_past else st.integers(low, high)
 
 
 def values(shape: tuple[int, ...], regime: str, generator: torch.Generator) -> torch.Tensor:
@@ -73,6 +84,12 @@ class TensorCase:
             wide = (*shape[:-1], 2 * shape[-1]) if shape else shape
             base = values(wide, self.regime, generator).to(dtype).to(device)
             return base[..., ::2] if shape else base
+        if self.layout == "expanded" and shape:
+            base = values((1, *shape[1:]), self.regime, generator).to(dtype).to(device)
+            return base.expand(shape)
+        if self.layout == "row_padded" and shape:
+            wide = (*shape[:-1], shape[-1] + ROW_PADDING)
+            return values(wide, self.regime, generator).to(dtype).to(device)[..., : shape[-1]]
         if self.layout == "offset":
             # A view starting one element into its storage: alignment assumptions break.
             count = 1
@@ -92,7 +109,7 @@ class TensorCase:
 def tensor_cases(
     shapes: st.SearchStrategy[tuple[int, ...]],
     dtype: torch.dtype,
-    layouts: tuple[str, ...] = LAYOUTS,
+    layouts: tuple[str, ...] = ALL_LAYOUTS,
     regimes: tuple[str, ...] = REGIMES,
 ) -> st.SearchStrategy[TensorCase]:
     return st.builds(

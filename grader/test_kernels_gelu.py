@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_contiguous, assert_raises
@@ -70,6 +70,13 @@ def check(student, reference, case: TensorCase) -> None:
 
 
 @examples(PROBLEM)
+# Empty tensors, whatever dim is 0, give empty outputs of the same shape; a 0-d tensor gives a 0-d output.
+@example(case=TensorCase((0,), torch.float32))
+@example(case=TensorCase((3, 0, 2), torch.float32))
+@example(case=TensorCase((), torch.float32))
+# Non-contiguous layouts the contract names, where flat indexing of the storage goes wrong.
+@example(case=TensorCase((4, 37), torch.float32, "row_padded", "normal", 1))
+@example(case=TensorCase((4, 37), torch.float32, "expanded", "normal", 2))
 @given(case=tensor_cases(shapes(1100 * size_scale()), torch.float32, regimes=("normal", "ties")))
 def test_matches_reference_fp32(student, reference, case):
     check(student, reference, case)

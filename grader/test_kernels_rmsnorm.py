@@ -11,7 +11,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_contiguous, assert_raises, check_tensor_form
@@ -20,7 +20,7 @@ from grader.marks import bf16_gpu_only, gpu_only
 from grader.outcomes import WrongAnswer
 from grader.profiles import examples
 from grader.speed import SpeedSpec, grade_speed
-from grader.strategies import LAYOUTS, REGIMES, TensorCase, dims, size_scale
+from grader.strategies import ALL_LAYOUTS, REGIMES, TensorCase, dims, long_lengths, size_scale
 
 PROBLEM = BY_ID["kernels.rmsnorm"]
 USES_TRITON = True
@@ -30,9 +30,6 @@ DEFAULT_EPS = 1e-6
 # eps moves the result by about eps / mean(x^2) relative: visibly for the "tiny" regime (mean square 1e-6) at every
 # eps drawn, and for unit-scale values at the larger ones.
 EPSILONS = (DEFAULT_EPS, 1e-5, 1e-2, 1.0)
-# LAYOUTS, plus rows that are not adjacent: the first D columns of a wider tensor (unit column stride).
-X_LAYOUTS = LAYOUTS + ("row_padded",)
-ROW_PADDING = 3
 WEIGHT_LAYOUTS = ("contiguous", "sliced")
 
 
@@ -45,23 +42,22 @@ class NormCase:
     regime: str
     eps: float
     seed: int
+    upstream_layout: str = "contiguous"  # of the backward's grad_y, which "may have any strides"
 
     def x(self, device) -> torch.Tensor:
-        if self.x_layout == "row_padded":
-            wide = (*self.shape[:-1], self.shape[-1] + ROW_PADDING)
-            return TensorCase(wide, self.dtype, "contiguous", self.regime, self.seed).make(device)[..., : self.shape[-1]]
         return TensorCase(self.shape, self.dtype, self.x_layout, self.regime, self.seed).make(device)
 
     def weight(self, device) -> torch.Tensor:
         return TensorCase(self.shape[-1:], self.dtype, self.weight_layout, "normal", self.seed + 1).make(device)
 
     def upstream(self, device) -> torch.Tensor:
-        return TensorCase(self.shape, self.dtype, "contiguous", "normal", self.seed + 2).make(device)
+        return TensorCase(self.shape, self.dtype, self.upstream_layout, "normal", self.seed + 2).make(device)
 
     def describe(self) -> str:
         return (
             f"x shape={self.shape}, dtype={str(self.dtype).removeprefix('torch.')}, layout={self.x_layout}, "
-            f"values={self.regime}; weight layout={self.weight_layout}; eps={self.eps:g}; seed={self.seed}"
+            f"values={self.regime}; weight layout={self.weight_layout}; eps={self.eps:g}; seed={self.seed}; "
+            f"grad_y layout={self.upstream_layout}"
         )
 
 
@@ -81,7 +77,7 @@ def shapes(max_rows: int, max_cols: int, long_rows: bool = False) -> st.SearchSt
     short = short.map(lambda parts: (*parts[0], parts[1]))
     if not long_rows:
         return short
-    long = st.tuples(st.integers(1, 3), st.integers(8_193, 20_000 * size_scale()))
+    long = st.tuples(st.integers(1, 3), long_lengths(8_193, 20_000 * size_scale()))
     return st.integers(0, 3).flatmap(lambda draw: long if draw == 3 else short)
 
 
@@ -90,11 +86,12 @@ def norm_cases(shape_strategy, dtype: torch.dtype, regimes: tuple[str, ...] = RE
         NormCase,
         shape=shape_strategy,
         dtype=st.just(dtype),
-        x_layout=st.sampled_from(X_LAYOUTS),
+        x_layout=st.sampled_from(ALL_LAYOUTS),
         weight_layout=st.sampled_from(WEIGHT_LAYOUTS),
         regime=st.sampled_from(regimes),
         eps=st.sampled_from(EPSILONS),
         seed=st.integers(0, 2**31 - 2),
+        upstream_layout=st.sampled_from(ALL_LAYOUTS),
     )
 
 
@@ -154,11 +151,14 @@ def gradient_term_scales(x, weight, eps: float, upstream) -> tuple[float, float]
     projection_terms = (grad_x_hat * x_hat).abs().mean(dim=-1, keepdim=True)
     grad_x_terms = rstd * (grad_x_hat.abs() + x_hat.abs() * projection_terms)
     grad_weight_terms = (upstream * x_hat).abs().reshape(-1, x.shape[-1]).sum(dim=0)
-    return float(grad_x_terms.max()), float(grad_weight_terms.max())
+    return float(grad_x_terms.max()) if x.numel() else 0.0, float(grad_weight_terms.max())
 
 
 def check_gradient(actual, exact, expected_at_dtype, term_scale: float, what: str, context: str) -> None:
     """assert_close, with its error floor raised to the scale of the summed terms when that exceeds the result's."""
+    if exact.numel() == 0:
+        check_tensor_form(actual, expected_at_dtype, what, context)
+        return
     result_scale = float(exact.abs().max())
     floor = PROBLEM.floor_ulps * torch.finfo(expected_at_dtype.dtype).eps * term_scale
     if result_scale > floor:
@@ -193,7 +193,12 @@ def check_backward(student, reference, case: NormCase) -> None:
         check_gradient(reply["grads"][index], exact[index], at_dtype[index], term_scales[index], what, case.describe())
 
 
+# No rows (a leading dim of size 0): an empty output, and in the backward an empty grad_x and a zero grad_weight.
+EMPTY_CASE = NormCase((0, 8), torch.float32, "contiguous", "contiguous", "normal", DEFAULT_EPS, 0)
+
+
 @examples(PROBLEM)
+@example(case=EMPTY_CASE)
 @given(case=norm_cases(shapes(64 * size_scale(), 96 * size_scale(), long_rows=True), torch.float32))
 def test_forward_fp32(student, reference, case):
     check_forward(student, reference, case)
@@ -214,6 +219,9 @@ def test_forward_bf16(student, reference, case):
 
 
 @examples(PROBLEM)
+@example(case=EMPTY_CASE)
+# Rows of a wider tensor, and an upstream gradient that is not contiguous ("grad_y may have any strides").
+@example(case=NormCase((5, 24), torch.float32, "row_padded", "contiguous", "normal", DEFAULT_EPS, 1, "transposed"))
 @given(case=norm_cases(shapes(256 * size_scale(), 64 * size_scale(), long_rows=True), torch.float32))
 def test_backward_fp32(student, reference, case):
     """grad_x and grad_weight; up to hundreds of rows, so that grad_weight sums the partials of several programs."""

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_contiguous, assert_raises
@@ -12,7 +12,7 @@ from grader.context import current
 from grader.marks import bf16_gpu_only, gpu_only
 from grader.profiles import examples
 from grader.speed import SpeedSpec, grade_speed, one_tensor
-from grader.strategies import TensorCase, dims, leading_shapes, size_scale, tensor_cases
+from grader.strategies import TensorCase, dims, leading_shapes, long_lengths, size_scale, tensor_cases
 
 PROBLEM = BY_ID["kernels.softmax"]
 USES_TRITON = True
@@ -45,6 +45,12 @@ def check(student, reference, case: TensorCase) -> None:
 
 
 @examples(PROBLEM)
+# A leading dim of size 0: the contract's empty output, in every profile.
+@example(case=TensorCase((0, 5), torch.float32))
+@example(case=TensorCase((2, 0, 7), torch.float32))
+# The layouts the contract names that assume-adjacent-rows code gets wrong: rows of a wider tensor, rows broadcast.
+@example(case=TensorCase((4, 37), torch.float32, "row_padded", "normal", 1))
+@example(case=TensorCase((4, 37), torch.float32, "expanded", "normal", 2))
 @given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float32))
 def test_matches_reference_fp32(student, reference, case):
     check(student, reference, case)
@@ -67,9 +73,9 @@ def test_matches_reference_bf16(student, reference, case):
 @given(
     case=tensor_cases(
         # Up to 40k columns under `ci` (past the reference's 16k single-pass limit too), 100k+ on a GPU.
-        st.tuples(st.integers(1, 2), st.integers(5_000 * size_scale(), 40_000 * size_scale())),
+        st.tuples(st.integers(1, 2), long_lengths(5_000 * size_scale(), 40_000 * size_scale())),
         torch.float32,
-        layouts=("contiguous", "sliced"),
+        layouts=("contiguous", "sliced", "row_padded"),
         regimes=("normal", "large"),
     )
 )

@@ -106,6 +106,8 @@ class Worker:
                 observed["backward_launches"] = (
                     self.launches.names[forward_launches:] if self.launches is not None else [])
         observed["modified"] = [name for name, copy in before.items() if not unchanged(inputs[name], copy)]
+        # An empty tensor has nothing to compute: no launch is needed for it.
+        observed["empty_input"] = any(copy.numel() == 0 for copy in before.values())
         return {"status": "ok", "value": to_plain(value), "grads": grads, **observed}
 
     @contextlib.contextmanager
