@@ -135,6 +135,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "matches_reference_bf16": 2,
             "k_remainder": 3,
             "gelu_epilogue": 3,
+            "float32_accumulator": 2,
             "invalid_arguments": 1,
             "speed": 3,
         },

@@ -96,7 +96,7 @@ def k_remainder_sizes() -> st.SearchStrategy[tuple[int, int, int]]:
     return st.tuples(side(largest), side(largest), k)
 
 
-def check(student, reference, case: MatmulCase, activation: str | None = None) -> None:
+def check(student, reference, case: MatmulCase | AccumulationCase, activation: str | None = None) -> None:
     a, b = case.make(current().device)
     kwargs = {} if activation is None else {"activation": activation}
     with student.describing(case.describe()):
@@ -152,6 +152,49 @@ def test_k_remainder(student, reference, case):
 def test_gelu_epilogue(student, reference, case):
     """activation="gelu": the tanh GeLU of the float32 accumulator, rounded once."""
     check(student, reference, case, activation="gelu")
+
+
+@dataclass(frozen=True)
+class AccumulationCase:
+    """Small-integer A and B whose products all add up along the first half of K and cancel along the second: the
+    running sum of every output climbs to about 1.1 K before it falls back to a small result. Every partial sum is an
+    integer well inside float32's exact range, so a float32 accumulator is exact and the one rounding at the store is
+    exact too; a 16-bit accumulator rounds each partial sum beyond 2048 (float16) or 256 (bfloat16) to a multiple of
+    2, 4 or 8 and is off by several units."""
+
+    m: int
+    n: int
+    k: int
+    dtype: torch.dtype
+    seed: int
+
+    def make(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        generator = torch.Generator().manual_seed(self.seed)
+        a = torch.randint(1, 3, (self.m, self.k), generator=generator)
+        b = torch.randint(1, 3, (self.k, self.n), generator=generator)
+        b[self.k // 2:] *= -1
+        return a.to(self.dtype).to(device), b.to(self.dtype).to(device)
+
+    def describe(self) -> str:
+        return (f"a: shape=({self.m}, {self.k}), b: shape=({self.k}, {self.n}), dtype="
+                f"{str(self.dtype).removeprefix('torch.')}, values: integers 1 and 2, b negated from row K/2 on, "
+                f"seed={self.seed}")
+
+
+def accumulation_cases() -> st.SearchStrategy[AccumulationCase]:
+    # K = 64 j + r between 3,000 and 4,200: the running sums pass 3,000; M and N stay small for the interpreter.
+    k = st.tuples(st.integers(47, 64), st.integers(0, 63)).map(lambda parts: 64 * parts[0] + parts[1])
+    low_precision = (torch.float16,) + ((torch.bfloat16,) if torch.cuda.is_available() else ())
+    return st.builds(AccumulationCase, m=side(20), n=side(20), k=k, dtype=st.sampled_from(low_precision),
+                     seed=st.integers(0, 2**31 - 1))
+
+
+@examples(PROBLEM, 0.5)
+@given(case=accumulation_cases())
+def test_float32_accumulator(student, reference, case):
+    """float16 and bfloat16 inputs are summed in a float32 accumulator, as the contract says: here its result is
+    exact, and a 16-bit accumulator's is not."""
+    check(student, reference, case)
 
 
 def _ones(*shape: int, dtype: torch.dtype = torch.float32):
