@@ -120,6 +120,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "matches_reference_fp16": 2,
             "matches_reference_bf16": 2,
             "long_rows": 3,
+            "float32_accumulator": 2,
             "invalid_arguments": 1,
             "speed": 2,
         },

@@ -58,6 +58,17 @@ def values(shape: tuple[int, ...], regime: str, generator: torch.Generator) -> t
         return torch.randint(-2, 3, shape, generator=generator).to(torch.float64)
     if regime == "tiny":
         return torch.randn(shape, generator=generator, dtype=torch.float64) * 1e-3
+    if regime == "cancelling":
+        # Integers from 256 to 1023 in the first half of the last dim, and in the second half the same integers
+        # negated, each moved by -2 to 2: running sums along a row climb past 2048 within a few terms and fall back
+        # to a small total. Exact in a float32 accumulator; a float16 one rounds every partial sum past 2048.
+        integers = torch.randint(256, 1024, shape, generator=generator).to(torch.float64)
+        if shape:
+            half = shape[-1] // 2
+            nudges = torch.randint(-2, 3, (*shape[:-1], shape[-1] - half), generator=generator).to(torch.float64)
+            integers[..., half:] = nudges
+            integers[..., shape[-1] - half:] -= integers[..., :half].flip(-1)
+        return integers
     raise ValueError(f"unknown regime {regime!r}")
 
 
@@ -108,14 +119,14 @@ class TensorCase:
 
 def tensor_cases(
     shapes: st.SearchStrategy[tuple[int, ...]],
-    dtype: torch.dtype,
+    dtype: torch.dtype | st.SearchStrategy[torch.dtype],
     layouts: tuple[str, ...] = ALL_LAYOUTS,
     regimes: tuple[str, ...] = REGIMES,
 ) -> st.SearchStrategy[TensorCase]:
     return st.builds(
         TensorCase,
         shape=shapes,
-        dtype=st.just(dtype),
+        dtype=dtype if isinstance(dtype, st.SearchStrategy) else st.just(dtype),
         layout=st.sampled_from(layouts),
         regime=st.sampled_from(regimes),
         seed=st.integers(0, 2**31 - 1),

@@ -27,18 +27,21 @@ def row_shapes(max_cols: int, max_rows: int = 12) -> st.SearchStrategy[tuple[int
     return st.tuples(leading_shapes(max_rows), dims(max_cols)).map(lambda parts: (*parts[0], parts[1]))
 
 
-def floor_ulps_of_abs_sums(x64: torch.Tensor, expected64: torch.Tensor) -> float:
-    """The registry's floor, taken relative to the largest sum of |x| over a row and expressed in ulps of the largest
-    |row sum| (assert_close's scale).
+def floor_ulps_of_abs_sums(x64: torch.Tensor, expected64: torch.Tensor, dtype: torch.dtype) -> float:
+    """The registry's floor in float32 ulps of the largest sum of |x| over a row, or in ulps of `dtype` at the
+    largest |row sum| if that is more, expressed in ulps of `dtype` at the largest |row sum| (assert_close's scale).
 
-    A float32 sum in any order errs by a few eps times the sum of the magnitudes it adds, not of the result: a row
-    whose terms cancel (a sum near 0) would otherwise demand that the student add in the reference's order.
+    A float32 sum in any order errs by a few float32 eps times the sum of the magnitudes it adds, not of the result:
+    a row whose terms cancel (a sum near 0) would otherwise demand that the student add in the reference's order.
+    The contract's accumulator is float32 whatever the input dtype, so the term stays in float32 eps for float16
+    and bfloat16 rows too: in their own eps it would admit a float16 accumulator.
     """
     output_scale = float(expected64.abs().max()) if expected64.numel() else 0.0
     if output_scale == 0.0:
         return PROBLEM.floor_ulps  # every row sums to 0 in float64: no floor is added, whatever its size
     abs_sum_scale = float(x64.abs().sum(dim=-1).max())
-    return PROBLEM.floor_ulps * max(1.0, abs_sum_scale / output_scale)
+    float32_ulps = torch.finfo(torch.float32).eps / torch.finfo(dtype).eps
+    return PROBLEM.floor_ulps * max(1.0, float32_ulps * abs_sum_scale / output_scale)
 
 
 def check(student, reference, case: TensorCase) -> None:
@@ -48,10 +51,10 @@ def check(student, reference, case: TensorCase) -> None:
             lambda: (reference.row_sum_torch(x.double()), reference.row_sum(x)), "row_sum", x)
     actual = reply["value"]
     assert_contiguous(actual, "row_sum(x)", case.describe())
-    floor_ulps = floor_ulps_of_abs_sums(x.double().cpu(), expected64.cpu())
+    floor_ulps = floor_ulps_of_abs_sums(x.double().cpu(), expected64.cpu(), x.dtype)
     context = case.describe()
     if floor_ulps != PROBLEM.floor_ulps:
-        context += f"; the floor is {PROBLEM.floor_ulps:g} ulp of the largest row sum of |x|"
+        context += f"; the floor is {PROBLEM.floor_ulps:g} float32 ulp of the largest row sum of |x|"
     assert_close(
         actual,
         expected64,
@@ -101,6 +104,22 @@ def test_matches_reference_bf16(student, reference, case):
 )
 def test_long_rows(student, reference, case):
     """Rows far longer than one block: 100k+ columns on a GPU (fewer under the interpreter)."""
+    check(student, reference, case)
+
+
+@examples(PROBLEM, 0.5)
+@given(
+    case=tensor_cases(
+        # Rows several blocks long (a block of 4,096 lanes at most): each lane adds enough "cancelling" terms for its
+        # running sum to pass 2048, float16's last exact integer.
+        st.tuples(st.integers(1, 2), long_lengths(20_000 * size_scale(), 40_000 * size_scale())),
+        st.sampled_from((torch.float16,) + ((torch.bfloat16,) if torch.cuda.is_available() else ())),
+        layouts=("contiguous",),
+        regimes=("cancelling",),
+    )
+)
+def test_float32_accumulator(student, reference, case):
+    """float16 and bfloat16 rows are summed in float32, as the contract says: exactly, for these integers."""
     check(student, reference, case)
 
 
