@@ -114,6 +114,10 @@ INVALID = [
     pytest.param("transformer_layer_activations", (10, 2, 64, 8), {"tensor_parallel": 4, "sequence_parallel": True},
                  id="seq_len-not-split"),
     pytest.param("transformer_layer_activations", (16, 2, 64, 8), {"tensor_parallel": 0}, id="tensor_parallel=0"),
+    # "a bool is not an accepted integer", although Python counts True as the int 1.
+    pytest.param("bytes_per_parameter", ("zero2", True), {}, id="world_size=True"),
+    pytest.param("communication_volume", ("all_gather", True, 4), {}, id="num_bytes=True"),
+    pytest.param("transformer_layer_activations", (16, True, 64, 8), {}, id="batch=True"),
 ]
 
 
