@@ -244,6 +244,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "edge_sizes": 2,
             "bf16": 2,
             "batched_dispatch": 2,
+            "sparse_compute": 2,
             "invalid_arguments": 1,
             "speed": 4,
         },

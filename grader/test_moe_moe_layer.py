@@ -256,10 +256,10 @@ def test_bf16(student, reference, case):
     layer.check_gradients()
 
 
-def balanced_inputs(tokens: int, device: torch.device) -> list[torch.Tensor]:
-    """Four experts, k = 2, one shared expert: token t chooses experts t mod 4 and t + 1 mod 4 by clear margins, so
-    every expert receives tokens at any T >= 4."""
-    experts, width, hidden = 4, 8, 4
+def balanced_inputs(tokens: int, device: torch.device, experts: int = 4) -> list[torch.Tensor]:
+    """`experts` experts, one shared expert, width 8 and expert hidden size 4: token t prefers expert t mod E, then
+    t + 1 mod E, by clear margins (k = 1 or 2), so every expert receives tokens at any T >= E."""
+    width, hidden = 8, 4
     generator = torch.Generator().manual_seed(tokens)
     x_TD = torch.randn(tokens, width, generator=generator)
     x_TD[:, :experts] = 0.0
@@ -294,6 +294,53 @@ def count_operations(module, device: str) -> list[int]:
             module.moe_layer(*tensors, 2, True)
         counts.append(counter.count)
     return counts
+
+
+# The work check: T tokens, E experts of hidden size H over width D, k routed and S shared experts per token. A
+# sparse layer multiplies T x D by E x D for the router and then runs each token through k + S experts (gate and up
+# D -> H, down H -> D: 6 H D FLOPs a token); running every token through all E experts does E + S of them instead.
+SPARSE_TOKENS, SPARSE_EXPERTS, SPARSE_K, SPARSE_SHARED, SPARSE_WIDTH, SPARSE_HIDDEN = 256, 8, 1, 1, 8, 4
+# Matrix-product FLOPs allowed, as a multiple of the sparse count (dense computation is 3.6 times it here).
+FLOP_ALLOWANCE = 1.5
+
+
+def matmul_flops(experts_per_token: int) -> int:
+    t, d, h = SPARSE_TOKENS, SPARSE_WIDTH, SPARSE_HIDDEN
+    return 2 * t * SPARSE_EXPERTS * d + experts_per_token * t * 6 * h * d
+
+
+def count_flops(module, device: str) -> int:
+    """Run in the student's worker: the matrix-product FLOPs (torch's flop counter) of one forward call."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    tensors = balanced_inputs(SPARSE_TOKENS, torch.device(device), experts=SPARSE_EXPERTS)
+    with FlopCounterMode(display=False) as counter:
+        module.moe_layer(*tensors, SPARSE_K, True)
+    return int(counter.get_total_flops())
+
+
+def test_sparse_compute(student, reference):
+    """Each token goes through its k routed experts (and the shared ones) only: the matrix products of one call,
+    counted by torch's flop counter in the worker, stay within FLOP_ALLOWANCE times those of a sparse layer."""
+    device = current().device
+    case = (f"T={SPARSE_TOKENS}, E={SPARSE_EXPERTS}, k={SPARSE_K}, {SPARSE_SHARED} shared expert, "
+            f"D={SPARSE_WIDTH}, H={SPARSE_HIDDEN}, every expert receiving tokens")
+    tensors = balanced_inputs(SPARSE_TOKENS, device, experts=SPARSE_EXPERTS)
+    with student.describing(case):
+        actual = student.call("moe_layer", *tensors, SPARSE_K, True)
+    with torch.no_grad():  # the outputs must be right, or the count means nothing
+        exact = reference.moe_layer_torch(*(t.double() for t in tensors), SPARSE_K, True)
+        at_dtype = reference.moe_layer(*tensors, SPARSE_K, True)
+    compare_floating(actual, exact, at_dtype, 0.0, PROBLEM, "moe_layer output y_TD", case)
+    with student.describing(f"FLOP count at {case}"):
+        flops = student.run_program(f"{__name__}:count_flops", str(device))
+    sparse, dense = matmul_flops(SPARSE_K + SPARSE_SHARED), matmul_flops(SPARSE_EXPERTS + SPARSE_SHARED)
+    if flops > FLOP_ALLOWANCE * sparse:
+        raise WrongAnswer(
+            f"moe_layer's matrix products took {flops} FLOPs ({case}): a sparse layer needs {sparse} (the router, "
+            f"then each token through its {SPARSE_K} routed and {SPARSE_SHARED} shared expert), running every token "
+            f"through every expert {dense}; at most {FLOP_ALLOWANCE:g} x {sparse} is allowed"
+        )
 
 
 def test_batched_dispatch(student, reference):

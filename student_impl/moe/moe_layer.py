@@ -42,6 +42,8 @@ def moe_layer(x_TD: Tensor, router_weight_ED: Tensor, gate_proj_EHD: Tensor, up_
     token-major order, sort them by expert with a stable sort (so each expert's rows stay in ascending token
     order), and run each expert once on its contiguous slice of gathered rows; a loop over experts is fine, and
     so is skipping experts that received no token. The number of torch operations must not grow with T.
+    Each token goes through its k routed experts only (and the shared ones): running every expert on every
+    token and zeroing the unchosen outputs costs E / k times the work, and the matrix products' FLOPs are counted.
 
     Gradients flow to x_TD, router_weight_ED (through the gates) and all six projection tensors, each arriving
     in its own tensor's dtype; an expert that received no token gets a zero gradient.
