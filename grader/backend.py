@@ -3,9 +3,16 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
+from importlib import metadata
 
 import torch
+
+# The oldest Triton whose interpreter (the CPU path) grades correct code correctly. triton 3.6's interpreter, which
+# pyproject.toml still allows for GPUs, fails correct kernels: a scalar loop's load raises "only 0-dimensional arrays
+# can be converted to Python scalars", and correct row-sum, RMSNorm and matmul variants lose most of their points.
+MIN_INTERPRETER_TRITON = (3, 9)
 
 
 def use_interpreter_without_gpu() -> None:
@@ -23,3 +30,23 @@ def device() -> torch.device:
 
 def interpreting() -> bool:
     return os.environ.get("TRITON_INTERPRET") == "1"
+
+
+def release(version: str) -> tuple[int, ...]:
+    """(3, 9) for "3.9.0", "3.9.0+git1234" or "3.9.0rc1": the major and minor numbers."""
+    found = re.match(r"(\d+)\.(\d+)", version)
+    return (int(found.group(1)), int(found.group(2))) if found else (0, 0)
+
+
+def interpreter_refusal(installed: str | None = None) -> str | None:
+    """Why this machine cannot grade on the CPU path, or None: on the interpreter, triton must be at least
+    MIN_INTERPRETER_TRITON (a GPU runs compiled kernels, where older versions are fine)."""
+    if not interpreting():
+        return None
+    installed = installed or metadata.version("triton")
+    if release(installed) >= MIN_INTERPRETER_TRITON:
+        return None
+    needed = ".".join(map(str, MIN_INTERPRETER_TRITON))
+    return (f"triton {installed} is installed, and grading without a GPU runs kernels through Triton's interpreter, "
+            f"which needs triton >= {needed} (older interpreters fail correct kernels): "
+            f"pip install 'triton>={needed}', or grade on a GPU")

@@ -99,6 +99,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    refusal = backend.interpreter_refusal()
+    if refusal is not None:
+        raise pytest.UsageError(refusal)
     profile = config.getoption("--profile")
     profiles.load(profile)
     config.stash[RESULTS_KEY] = seal.take_key()
