@@ -77,6 +77,8 @@ def check(student, reference, case: TensorCase) -> None:
 # Non-contiguous layouts the contract names, where flat indexing of the storage goes wrong.
 @example(case=TensorCase((4, 37), torch.float32, "row_padded", "normal", 1))
 @example(case=TensorCase((4, 37), torch.float32, "expanded", "normal", 2))
+# More elements than one block of any usual size: a grid of several programs, at every profile.
+@example(case=TensorCase((5, 1000), torch.float32, "contiguous", "normal", 3))
 @given(case=tensor_cases(shapes(1100 * size_scale()), torch.float32, regimes=("normal", "ties")))
 def test_matches_reference_fp32(student, reference, case):
     check(student, reference, case)
