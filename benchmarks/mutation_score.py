@@ -23,6 +23,7 @@ import argparse
 import ast
 import difflib
 import json
+import os
 import random
 import shutil
 import subprocess
@@ -177,6 +178,12 @@ def mutants_of(problem_id: str, per_problem: int, seed: int) -> tuple[str, list[
 # --- the report ---------------------------------------------------------------------------------------------------
 
 
+def describe_machine() -> str:
+    machine = machine_description()
+    return (f"{machine.get('gpu') or 'no GPU'}, {os.cpu_count()} CPUs, torch {machine['torch']}, triton "
+            f"{machine['triton']}, python {machine['python']}")
+
+
 def render(verdicts: list[Verdict], problems: list[str], args: argparse.Namespace, seconds: float) -> str:
     lines = [
         "# Mutation score of the grader",
@@ -185,7 +192,7 @@ def render(verdicts: list[Verdict], problems: list[str], args: argparse.Namespac
         "negation dropped), each graded on its own problem by `python benchmarks/mutation_score.py`. Killed: a test "
         "of the problem failed; survived: every test passed. Every survivor is listed below with its diff, for review.",
         "",
-        f"{machine_description()}; profile {args.profile}; at most {args.per_problem} mutants a problem (seed "
+        f"{describe_machine()}; profile {args.profile}; at most {args.per_problem} mutants a problem (seed "
         f"{args.seed}); {args.jobs} at a time; {seconds / 60:.0f} min.",
         "",
         "| problem | mutants | killed | survived | timed out | invalid | not run | killed of valid |",

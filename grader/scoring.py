@@ -39,6 +39,13 @@ class TestResult:
 
 def classify(error: BaseException) -> tuple[str, str]:
     """(status, message) for an exception that ended a test."""
+    if isinstance(error, BaseExceptionGroup) and error.exceptions:
+        # Hypothesis groups the failures of an example that did not fail again when replayed (FlakyFailure): the
+        # first one is what happened; that it did not repeat is worth saying, not a grader error. An exception group
+        # holds only Exceptions: a student's crash or timeout (a BaseException) is the cause of its wrapper.
+        first = error.exceptions[0]
+        status, message = classify(first.__cause__ if type(first).__name__ == "_WrappedBaseException" else first)
+        return status, f"{message}\n(replayed on the same input, it did not fail again: it depends on timing or load)"
     if isinstance(error, StudentAbort):
         return error.status, error.message
     if isinstance(error, GradingFailure):

@@ -260,7 +260,9 @@ def test_bubble_fraction(student, stages, micro_batches):
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_gpipe_matches_single_process(ranks, reference, world_size, data):
-    config = data.draw(configs(world_size, "gpipe"))
+    # The first (and under `ci` the only) draw is one micro-batch, the smallest the contract allows: a pipeline
+    # that refuses it, or needs two, fails here; the order tests cover longer schedules.
+    config = data.draw(configs(world_size, "gpipe", micro_batches=st.sampled_from([1, 3, 2, 4, 5])))
     check_training(run_stages(ranks, world_size, config), config, world_size, reference)
 
 

@@ -259,8 +259,9 @@ def check_values(reference, case: dict, result: dict, rank: int) -> None:
 
 
 def cases_strategy(kind: str, world_size: int, steps: int) -> st.SearchStrategy[dict]:
-    # The simplest draw (the only one under a budget of 1) has a bias, two tokens, a causal mask, several features
-    # and heads of two dimensions: every part of the contract takes effect in it.
+    # The simplest draw (the only one under a budget of 1) has a bias, two tokens, a causal mask, several features,
+    # two heads on each rank and heads of two dimensions: every part of the contract takes effect in it (with one
+    # head a rank, heads and tokens could be mixed up unseen).
     common = {
         "kind": st.just(kind), "world_size": st.just(world_size), "steps": st.just(steps),
         "seed": data_seeds(), "bias": st.sampled_from([True, False]), "batch": st.integers(1, 3),
@@ -268,7 +269,7 @@ def cases_strategy(kind: str, world_size: int, steps: int) -> st.SearchStrategy[
     }
     if kind == "attention":
         return st.fixed_dictionaries({
-            **common, "heads_per_rank": st.integers(1, 3), "head_dim": st.sampled_from([2, 4, 1, 3, 5]),
+            **common, "heads_per_rank": st.sampled_from([2, 1, 3]), "head_dim": st.sampled_from([2, 4, 1, 3, 5]),
             "causal": st.sampled_from([True, False]),
         }).map(lambda c: {**c, "heads": c["heads_per_rank"] * world_size})
     return st.fixed_dictionaries({**common, "width": st.integers(2, 9), "per_rank": st.integers(1, 3)})
