@@ -346,17 +346,22 @@ def test_collective_pattern(ranks, world_size, data):
 
 
 def construct_invalid(student, rank: int, world_size: int) -> dict:
-    """Runs in a rank process: each constructor with a size that does not divide by the world size."""
+    """Runs in a rank process: each constructor with a size that does not divide by the world size, and the
+    attention with one wrongly shaped projection (the other one right)."""
+    n = world_size
     attempts = {
-        "ColumnParallelLinear(Linear(4, 2N+1))": lambda: student.ColumnParallelLinear(
-            torch.nn.Linear(4, 2 * world_size + 1)),
-        "RowParallelLinear(Linear(2N+1, 4))": lambda: student.RowParallelLinear(torch.nn.Linear(2 * world_size + 1, 4)),
-        "TensorParallelMLP(Linear(4, 2N+1), Linear(2N+1, 4))": lambda: student.TensorParallelMLP(
-            torch.nn.Linear(4, 2 * world_size + 1), torch.nn.Linear(2 * world_size + 1, 4)),
-        "TensorParallelAttention(Linear(2N+2, 6N+6), Linear(2N+2, 2N+2), num_heads=N+1)": lambda: (
-            student.TensorParallelAttention(torch.nn.Linear(2 * world_size + 2, 6 * world_size + 6),
-                                            torch.nn.Linear(2 * world_size + 2, 2 * world_size + 2),
-                                            world_size + 1, False)),
+        "ColumnParallelLinear(Linear(4, 2N+1)): the size does not divide by N": lambda: student.ColumnParallelLinear(
+            torch.nn.Linear(4, 2 * n + 1)),
+        "RowParallelLinear(Linear(2N+1, 4)): the size does not divide by N": lambda: student.RowParallelLinear(
+            torch.nn.Linear(2 * n + 1, 4)),
+        "TensorParallelMLP(Linear(4, 2N+1), Linear(2N+1, 4)): the size does not divide by N": lambda: (
+            student.TensorParallelMLP(torch.nn.Linear(4, 2 * n + 1), torch.nn.Linear(2 * n + 1, 4))),
+        "TensorParallelAttention(Linear(2N+2, 6N+6), Linear(2N+2, 2N+2), num_heads=N+1): the heads do not divide "
+        "by N": lambda: student.TensorParallelAttention(torch.nn.Linear(2 * n + 2, 6 * n + 6),
+                                                        torch.nn.Linear(2 * n + 2, 2 * n + 2), n + 1, False),
+        "TensorParallelAttention(Linear(2N, 6N), Linear(2N, 2N+1), num_heads=N): proj is not D -> D": lambda: (
+            student.TensorParallelAttention(torch.nn.Linear(2 * n, 6 * n), torch.nn.Linear(2 * n, 2 * n + 1), n,
+                                            False)),
     }
     return raised_by(attempts)
 
@@ -365,5 +370,6 @@ def construct_invalid(student, rank: int, world_size: int) -> dict:
 def test_invalid_arguments(ranks, world_size):
     for rank, raised in enumerate(ranks.run(construct_invalid, world_size)):
         for call, got in not_raising(raised, "ValueError"):
-            raise WrongAnswer(f"{call} on rank {rank} of {world_size} (N={world_size}) must raise ValueError: "
-                              f"the size does not divide by N; {got}")
+            subject, _, why = call.partition("): ")
+            raise WrongAnswer(f"{subject}) on rank {rank} of {world_size} (N={world_size}) must raise ValueError: "
+                              f"{why}; {got}")
