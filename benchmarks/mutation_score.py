@@ -5,9 +5,10 @@
 
 A mutant is the reference module with one change made by a small AST mutator (MUTATIONS below: an arithmetic or
 comparison operator swapped, a boolean operator or constant flipped, a negation dropped, an integer moved by one).
-Docstrings, error messages, f-strings and the grader-only `*_torch` oracles are left alone. Each problem's mutation points are sampled (at most
---per-problem, the same ones for the same --seed), and each mutant is graded as a student package would be: a copy
-of reference/ with that one module replaced, `pytest grader --problem <id>` at the given profile, in a subprocess.
+Docstrings, error messages, f-strings and the grader-only `*_torch` oracles are left alone. Each problem's mutation
+points are sampled (at most --per-problem, the same ones for the same --seed), and each mutant is graded as a
+student package would be: a copy of reference/ with that one module replaced, `pytest grader --problem <id>` at the
+given profile, in a subprocess.
 
 A mutant is killed when any of its problem's tests fails, crashes or times out inside the grader, survives when all
 pass, and times out when the whole run exceeds --timeout. Mutants are graded round-robin over the problems (each
@@ -201,7 +202,8 @@ def render(verdicts: list[Verdict], problems: list[str], args: argparse.Namespac
     for problem_id in problems:
         baseline = next(v for v in verdicts if v.problem == problem_id and v.point == BASELINE)
         if baseline.status != "survived":
-            lines.append(f"| {problem_id} | the unchanged module: {baseline.status} {baseline.detail[:80]} | | | | | | |")
+            note = f"the unchanged module: {baseline.status} {baseline.detail[:80]}"
+            lines.append(f"| {problem_id} | {note} | | | | | | |")
             continue
         mine = [v for v in verdicts if v.problem == problem_id and v.point != BASELINE]
         count = {status: sum(v.status == status for v in mine) for status in
