@@ -3,7 +3,7 @@
     python benchmarks/mutation_score.py [--problems kernels.gelu,moe.router] [--per-problem 20] [--jobs 2]
         [--profile ci] [--timeout 300] [--deadline SECONDS] [--seed 0] [--out FILE]
 
-A mutant is the reference module with one change made by a small AST mutator (MUTATIONS below: an arithmetic or
+A mutant is the reference module with one change made by a small AST mutator (mutation_points: an arithmetic or
 comparison operator swapped, a boolean operator or constant flipped, a negation dropped, an integer moved by one).
 Docstrings, error messages, f-strings and the grader-only `*_torch` oracles are left alone. Each problem's mutation
 points are sampled (at most --per-problem, the same ones for the same --seed), and each mutant is graded as a
@@ -13,9 +13,9 @@ given profile, in a subprocess.
 A mutant is killed when any of its problem's tests fails, crashes or times out inside the grader, survives when all
 pass, and times out when the whole run exceeds --timeout. Mutants are graded round-robin over the problems (each
 problem's first, then each one's second, ...), so that with --deadline (no mutant starts after it) every problem
-gets its share. The results go to benchmarks/results/mutation_score.md:
-per problem the counts and score, then every survivor's diff, for review. A survivor is either equivalent (the
-change cannot alter any result the contract pins: say why in the review) or a gap that needs a check.
+gets its share. The results go to benchmarks/results/mutation_score.md: per problem the counts and score, then every
+survivor's diff, for review. A survivor is either equivalent (the change cannot alter any result the contract pins:
+say why in the review) or a gap that needs a check.
 """
 
 from __future__ import annotations
