@@ -223,21 +223,26 @@ def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[st
 # --- grading ------------------------------------------------------------------------------------------------------
 
 
-def run_probe(student, case: AttentionCase, q, k, v, grad_o=None, uses_triton: bool = False, beside=None):
-    """The probe's report on the student's module, after the rules are checked (see check_rules); with `beside`, the
-    pair (report, beside()), the grader's work done while the worker runs the probe."""
+def _probe_beside(student, case: AttentionCase, q, k, v, grad_o, uses_triton: bool, grader_work) -> tuple:
+    """(the probe's report on the student's module, after the rules are checked (see check_rules), grader_work()),
+    the grader's work done while the worker runs the probe."""
     with student.describing(case.describe()):
         report, grader_value = student.run_program_beside(
-            beside, f"{__name__}:probe", q, k, v, case.is_causal, grad_o, FORBIDDEN_OPS, uses_triton)
+            grader_work, f"{__name__}:probe", q, k, v, case.is_causal, grad_o, FORBIDDEN_OPS, uses_triton)
     check_rules(report, uses_triton, grad_o is not None, case.describe())
-    return report if beside is None else (report, grader_value)
+    return report, grader_value
+
+
+def run_probe(student, case: AttentionCase, q, k, v, grad_o=None, uses_triton: bool = False) -> dict:
+    """The probe's report on the student's module, after the rules are checked (see check_rules)."""
+    return _probe_beside(student, case, q, k, v, grad_o, uses_triton, None)[0]
 
 
 def probe_and_expect(student, reference, case: AttentionCase, q, k, v, grad_o=None,
                      uses_triton: bool = False) -> tuple[dict, "Expected"]:
     """The probe's report on the student's module and what the case must give, computed at the same time."""
-    return run_probe(student, case, q, k, v, grad_o, uses_triton,
-                     beside=lambda: expected(reference, case, q, k, v, grad_o))
+    return _probe_beside(student, case, q, k, v, grad_o, uses_triton,
+                         lambda: expected(reference, case, q, k, v, grad_o))
 
 
 def call_and_expect(student, reference, case: AttentionCase, q, k, v) -> tuple:

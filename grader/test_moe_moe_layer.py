@@ -296,6 +296,16 @@ def count_operations(module, device: str) -> list[int]:
     return counts
 
 
+def check_balanced_output(student, reference, tensors: list[torch.Tensor], k: int, case: str) -> None:
+    """The student's moe_layer output on balanced inputs, against the reference's."""
+    with student.describing(case):
+        actual = student.call("moe_layer", *tensors, k, True)
+    with torch.no_grad():
+        exact = reference.moe_layer_torch(*(t.double() for t in tensors), k, True)
+        at_dtype = reference.moe_layer(*tensors, k, True)
+    compare_floating(actual, exact, at_dtype, 0.0, PROBLEM, "moe_layer output y_TD", case)
+
+
 # The work check: T tokens, E experts of hidden size H over width D, k routed and S shared experts per token. A
 # sparse layer multiplies T x D by E x D for the router and then runs each token through k + S experts (gate and up
 # D -> H, down H -> D: 6 H D FLOPs a token); running every token through all E experts does E + S of them instead.
@@ -325,13 +335,9 @@ def test_sparse_compute(student, reference):
     device = current().device
     case = (f"T={SPARSE_TOKENS}, E={SPARSE_EXPERTS}, k={SPARSE_K}, {SPARSE_SHARED} shared expert, "
             f"D={SPARSE_WIDTH}, H={SPARSE_HIDDEN}, every expert receiving tokens")
-    tensors = balanced_inputs(SPARSE_TOKENS, device, experts=SPARSE_EXPERTS)
-    with student.describing(case):
-        actual = student.call("moe_layer", *tensors, SPARSE_K, True)
-    with torch.no_grad():  # the outputs must be right, or the count means nothing
-        exact = reference.moe_layer_torch(*(t.double() for t in tensors), SPARSE_K, True)
-        at_dtype = reference.moe_layer(*tensors, SPARSE_K, True)
-    compare_floating(actual, exact, at_dtype, 0.0, PROBLEM, "moe_layer output y_TD", case)
+    # The outputs must be right, or the count means nothing.
+    check_balanced_output(student, reference, balanced_inputs(SPARSE_TOKENS, device, experts=SPARSE_EXPERTS),
+                          SPARSE_K, case)
     with student.describing(f"FLOP count at {case}"):
         flops = student.run_program(f"{__name__}:count_flops", str(device))
     sparse, dense = matmul_flops(SPARSE_K + SPARSE_SHARED), matmul_flops(SPARSE_EXPERTS + SPARSE_SHARED)
@@ -349,13 +355,7 @@ def test_batched_dispatch(student, reference):
     device = current().device
     for tokens in BATCHED_TOKENS:  # the outputs must be right, or the count means nothing
         case = f"four experts, k=2, one shared expert, T={tokens}, every expert receiving tokens"
-        tensors = balanced_inputs(tokens, device)
-        with student.describing(case):
-            actual = student.call("moe_layer", *tensors, 2, True)
-        with torch.no_grad():
-            exact = reference.moe_layer_torch(*(t.double() for t in tensors), 2, True)
-            at_dtype = reference.moe_layer(*tensors, 2, True)
-        compare_floating(actual, exact, at_dtype, 0.0, PROBLEM, "moe_layer output y_TD", case)
+        check_balanced_output(student, reference, balanced_inputs(tokens, device), 2, case)
     with student.describing(f"operation count at T={BATCHED_TOKENS}"):
         small, large = student.run_program(f"{__name__}:count_operations", str(device))
     if large > OPERATION_GROWTH * small:

@@ -30,12 +30,12 @@ ALLOWED_OPS = frozenset({
     "aten.sym_size", "aten.sym_stride", "aten.sym_numel", "aten.sym_storage_offset", "aten.is_contiguous",
 })
 
-# Frames that are neither the student's nor Triton's: torch's own Python code, and the grader's recorders.
 def _dirs(file: str) -> tuple[str, ...]:
     """A package's folder as its frames name it, and resolved (the two differ where site-packages is a link)."""
     return tuple({str(Path(file).parent) + "/", str(Path(file).resolve().parent) + "/"})
 
 
+# Frames that are neither the student's nor Triton's: torch's own Python code, and the grader's recorders.
 SKIPPED_DIRS = _dirs(__import__("torch").__file__) + _dirs(__file__)
 
 

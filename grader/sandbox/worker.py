@@ -100,11 +100,13 @@ class Worker:
             value = function(*args, **kwargs)
             grads = None
             if grad is not None:
-                # The backward's launches apart from the forward's: each pass must run the student's kernels.
                 forward_launches = len(self.launches.names) if self.launches is not None else 0
                 grads = self.backward(value, args, grad)
-                observed["backward_launches"] = (
-                    self.launches.names[forward_launches:] if self.launches is not None else [])
+        if grad is not None:
+            # The backward's launches apart from the forward's: each pass must run the student's kernels.
+            launches = observed["launches"]
+            observed["launches"] = launches[:forward_launches]
+            observed["backward_launches"] = launches[forward_launches:]
         observed["modified"] = [name for name, copy in before.items() if not unchanged(inputs[name], copy)]
         # An empty tensor has nothing to compute: no launch is needed for it.
         observed["empty_input"] = any(copy.numel() == 0 for copy in before.values())
@@ -119,9 +121,7 @@ class Worker:
         observed = {}
         with recorder:
             yield observed
-        launches = list(self.launches.names) if self.launches is not None else []
-        backward = len(observed.get("backward_launches", ()))
-        observed["launches"] = launches[:len(launches) - backward]
+        observed["launches"] = list(self.launches.names) if self.launches is not None else []
         observed["forbidden"] = recorder.seen
         observed["computed"] = recorder.computed
         observed["left_running"] = left_running()
