@@ -18,6 +18,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close, largest_magnitude
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.rank import rank_device
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group
 from grader.outcomes import WrongAnswer
 from grader.parallel_models import TiedMLP, shard_mean_loss, tied_mlp_from_state
 from grader.strategies import data_seeds
@@ -62,22 +63,18 @@ def state_bytes_by_parameter(optimizer: torch.optim.Optimizer, params: list[torc
 
 def rank_inputs(config: dict, world_size: int) -> list[dict]:
     """Each rank's own inputs, built in the grader's process: the initial weights (the same on every rank) and the
-    rank's rows of its group's batch."""
-    group_size = config.get("group_size") or world_size
-    x, y = make_batch(config, group_size)
-    return row_shards(x, y, config["rows_per_rank"], [plain_state(make_model(config))] * world_size, group_size)
+    rank's rows of the batch."""
+    x, y = make_batch(config, world_size)
+    return row_shards(x, y, config["rows_per_rank"], [plain_state(make_model(config))] * world_size)
 
 
 def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: dict) -> dict:
     """Runs in a rank process, on its own rank_data (rank_inputs). With config["group_size"], the ranks form
-    consecutive groups of that size, each an independent data-parallel run with its own ShardedOptimizer over its
-    group."""
+    consecutive groups of that size, each an independent data-parallel run (its own weights and data) with its own
+    ShardedOptimizer over its group."""
     device = rank_device()
-    group_size, group = config.get("group_size") or world_size, None
-    if group_size < world_size:
-        # Every rank creates every group, in the same order, as new_group requires.
-        groups = [dist.new_group(list(range(start, start + group_size))) for start in range(0, world_size, group_size)]
-        group = groups[rank // group_size]
+    group_size = config.get("group_size") or world_size
+    group = join_group(rank, world_size, group_size) if group_size < world_size else None
     model = tied_mlp_from_state(rank_data["state"]).to(device)
     x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
@@ -156,8 +153,10 @@ def check_weights(results: list[dict], config: dict, data_ranks: int) -> None:
 
 
 def run_training(ranks, world_size: int, config: dict) -> list[dict]:
-    """train_on_rank on every rank, each given only its own inputs."""
-    return ranks.run(train_on_rank, world_size, without_seeds(config), rank_data=rank_inputs(config, world_size))
+    """train_on_rank on every rank, each given only its own inputs (with config["group_size"], its group's)."""
+    group_size = config.get("group_size") or world_size
+    return ranks.run(train_on_rank, world_size, without_seeds(config),
+                     rank_data=inputs_by_group(config, world_size, group_size, rank_inputs))
 
 
 @pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
@@ -193,6 +192,8 @@ def test_state_sharded(ranks, world_size, config):
 @examples(PROBLEM, shrink=False)
 @given(config=configs(("adamw",)))
 def test_process_group(ranks, world_size, config):
-    """Two independent pairs of ranks, {0, 1} and {2, 3}, each with a ShardedOptimizer over its own group."""
+    """Two independent pairs of ranks, {0, 1} and {2, 3}, each with its own weights, data and ShardedOptimizer over
+    its own group: an optimizer that broadcasts over the default group mixes the pairs' weights."""
     config = {**config, "group_size": 2}
-    check_weights(run_training(ranks, world_size, config), config, 2)
+    for index, results in results_by_group(run_training(ranks, world_size, config), 2):
+        check_weights(results, group_case(config, index), 2)

@@ -19,14 +19,12 @@ def plain_state(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {name: value.detach().cpu().clone() for name, value in model.state_dict().items()}
 
 
-def row_shards(x: torch.Tensor, y: torch.Tensor, rows_per_rank: int, states: list[dict],
-               group_size: int | None = None) -> list[dict]:
-    """Rank r's {"x", "y", "state"}: its rows of the batch and states[r]. With group_size, rank r takes the rows of
-    rank r % group_size (groups of consecutive ranks, each a data-parallel run of its own). The rows are copied: a
-    slice sent as it is would carry the whole batch's storage, every other rank's rows included."""
+def row_shards(x: torch.Tensor, y: torch.Tensor, rows_per_rank: int, states: list[dict]) -> list[dict]:
+    """Rank r's {"x", "y", "state"}: its rows of the batch and states[r]. The rows are copied: a slice sent as it is
+    would carry the whole batch's storage, every other rank's rows included."""
     shards = []
     for rank, state in enumerate(states):
-        first = (rank % group_size if group_size else rank) * rows_per_rank
+        first = rank * rows_per_rank
         rows = slice(first, first + rows_per_rank)
         shards.append({"x": x[rows].clone(), "y": y[rows].clone(), "state": state})
     return shards

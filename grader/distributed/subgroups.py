@@ -1,0 +1,41 @@
+"""Grading a parallel API inside a subgroup of a larger world.
+
+The world splits into consecutive groups of `group_size` ranks ({0, 1} and {2, 3} of four), and each group runs its
+own case: its own seed, so its own weights and data. An implementation that talks over the default group instead of
+the one it is given then mixes two groups' numbers, or names a peer outside its group, and every rank's answer is
+wrong: the test fails on values the grader checks in its own process, not on a record of which group was passed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch.distributed as dist
+
+SEED_STRIDE = 7919  # group g's seed is the drawn seed + g * SEED_STRIDE: far from any seed offset a grader adds
+
+
+def join_group(rank: int, world_size: int, group_size: int) -> dist.ProcessGroup:
+    """In a rank process: create every consecutive group of `group_size` ranks and return this rank's."""
+    # Every rank creates every group, in the same order, as new_group requires.
+    groups = [dist.new_group(list(range(start, start + group_size))) for start in range(0, world_size, group_size)]
+    return groups[rank // group_size]
+
+
+def group_case(config: dict, group_index: int) -> dict:
+    """The case group `group_index` runs: the drawn one with a seed of its own."""
+    return {**config, "seed": config["seed"] + SEED_STRIDE * group_index}
+
+
+def inputs_by_group(config: dict, world_size: int, group_size: int,
+                    group_inputs: Callable[[dict, int], Sequence]) -> list:
+    """Rank r's own inputs: its place's in `group_inputs(case, group_size)` of its group's case."""
+    inputs = []
+    for start in range(0, world_size, group_size):
+        inputs.extend(group_inputs(group_case(config, start // group_size), group_size))
+    return inputs
+
+
+def results_by_group(results: Sequence, group_size: int) -> list[tuple[int, Sequence]]:
+    """(group index, its ranks' results) for each group of the world, in rank order."""
+    return [(start // group_size, results[start:start + group_size]) for start in range(0, len(results), group_size)]
