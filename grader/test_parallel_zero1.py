@@ -12,7 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close, largest_magnitude
@@ -42,9 +42,22 @@ def make_model(config: dict, dtype: torch.dtype = torch.float32) -> TiedMLP:
     return TiedMLP(config["width"], config["hidden"], config["outputs"], input_scale=False).to(dtype)
 
 
-def given_parameters(model: TiedMLP) -> list[torch.Tensor]:
-    """What the grader passes to ShardedOptimizer: every parameter, the tied weight a second time at the end."""
+def given_parameters(model: TiedMLP, config: dict) -> list[torch.Tensor]:
+    """What the grader passes to ShardedOptimizer: every parameter, the tied weight a second time at the end; or, in
+    the case "last_weight_only", one parameter, so that every rank but rank 0 of its group owns nothing."""
+    if config.get("last_weight_only"):
+        return [model.last.weight]
     return [*model.parameters(), model.again.weight]
+
+
+def optimized_names(config: dict) -> tuple[str, ...]:
+    """The names of the parameters the optimizer steps, in model.parameters() order."""
+    return ("last.weight",) if config.get("last_weight_only") else PARAMETER_NAMES
+
+
+def case_dtype(config: dict) -> torch.dtype:
+    """The ranks' dtype: float32, or float64 in the one case where a placeholder in the default dtype must show."""
+    return torch.float64 if config.get("float64") else torch.float32
 
 
 def make_batch(config: dict, data_ranks: int, dtype: torch.dtype = torch.float32):
@@ -64,8 +77,8 @@ def state_bytes_by_parameter(optimizer: torch.optim.Optimizer, params: list[torc
 def rank_inputs(config: dict, world_size: int) -> list[dict]:
     """Each rank's own inputs, built in the grader's process: the initial weights (the same on every rank) and the
     rank's rows of the batch."""
-    x, y = make_batch(config, world_size)
-    return row_shards(x, y, config["rows_per_rank"], [plain_state(make_model(config))] * world_size)
+    x, y = make_batch(config, world_size, case_dtype(config))
+    return row_shards(x, y, config["rows_per_rank"], [plain_state(make_model(config, case_dtype(config)))] * world_size)
 
 
 def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: dict) -> dict:
@@ -79,7 +92,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
     x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
     # A one-pass iterator, as model.parameters() is: the contract says "an iterable".
-    sharded = student.ShardedOptimizer(iter(given_parameters(model)), optimizer_cls, group, **kwargs)
+    sharded = student.ShardedOptimizer(iter(given_parameters(model, config)), optimizer_cls, group, **kwargs)
     params = list(model.parameters())
     weights, state_bytes, state_held = [], [], []
     for _ in range(STEPS):
@@ -94,7 +107,10 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
         inner = sharded.optimizer
         state_bytes.append(sum(state_bytes_by_parameter(inner, list(inner.state))))
         state_held.append([p in inner.state for p in params])
-    return {"weights": weights, "state_bytes": state_bytes, "state_held": state_held}
+    optimized = [p for param_group in sharded.optimizer.param_groups for p in param_group["params"]]
+    return {"weights": weights, "state_bytes": state_bytes, "state_held": state_held,
+            "optimized": [(p.numel(), str(p.device), p.dtype) for p in optimized],
+            "parameter_place": (str(params[0].device), params[0].dtype)}
 
 
 def train_unsharded(config: dict, data_ranks: int, dtype: torch.dtype, shards: int = 1) -> dict:
@@ -104,7 +120,8 @@ def train_unsharded(config: dict, data_ranks: int, dtype: torch.dtype, shards: i
     x, y = make_batch(config, data_ranks, dtype)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
     params = list(model.parameters())
-    optimizer = optimizer_cls(params, **kwargs)
+    optimizer = optimizer_cls([p for name, p in model.named_parameters() if name in optimized_names(config)],
+                              **kwargs)
     weights = []
     for _ in range(STEPS):
         shard_mean_loss(model, x, y, shards).backward()
@@ -115,10 +132,14 @@ def train_unsharded(config: dict, data_ranks: int, dtype: torch.dtype, shards: i
 
 
 def pinned_owners(config: dict, ranks: int) -> list[int]:
-    """The rank of each parameter (in model.parameters() order): in order, to the rank holding the fewest elements
-    so far, the lowest on a tie. The tied weight's second mention counts nothing."""
+    """The rank of each parameter (in model.parameters() order; None if the optimizer is not given it): in order, to
+    the rank holding the fewest elements so far, the lowest on a tie. The tied weight's second mention counts
+    nothing."""
     held, owners = [0] * ranks, []
-    for param in make_model(config).parameters():
+    for name, param in make_model(config).named_parameters():
+        if name not in optimized_names(config):
+            owners.append(None)
+            continue
         owner = min(range(ranks), key=lambda r: (held[r], r))
         held[owner] += param.numel()
         owners.append(owner)
@@ -138,7 +159,7 @@ def configs(optimizers=tuple(OPTIMIZERS)) -> st.SearchStrategy[dict]:
 
 def check_weights(results: list[dict], config: dict, data_ranks: int) -> None:
     exact = train_unsharded(config, data_ranks, torch.float64)
-    at_fp32 = [train_unsharded(config, data_ranks, torch.float32, shards) for shards in (1, data_ranks)]
+    at_dtype = [train_unsharded(config, data_ranks, case_dtype(config), shards) for shards in (1, data_ranks)]
     owners = pinned_owners(config, data_ranks)
     for rank, result in enumerate(results):
         context = f"rank {rank} of {len(results)}, {config}"
@@ -146,10 +167,25 @@ def check_weights(results: list[dict], config: dict, data_ranks: int) -> None:
             scale = largest_magnitude(exact["weights"][step])
             for index, name in enumerate(PARAMETER_NAMES):
                 assert_close(result["weights"][step][index], exact["weights"][step][index],
-                             tuple(run["weights"][step][index] for run in at_fp32),
-                             what=f"{name} (owned by rank {owners[index]} of its group) after step {step + 1}",
+                             tuple(run["weights"][step][index] for run in at_dtype),
+                             what=f"{name} ({owned_by(owners[index])}) after step {step + 1}",
                              context=context, multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps,
                              scale=scale)
+
+
+def owned_by(owner: int | None) -> str:
+    return "not given to the optimizer" if owner is None else f"owned by rank {owner} of its group"
+
+
+def check_placeholder(result: dict, context: str) -> None:
+    """A rank that owns no parameter: its inner optimizer holds one placeholder, a tensor of no elements on the
+    device and in the dtype of the parameters (pinned: state or a step on another device must not appear). In-process
+    evidence: the rank reports what its optimizer holds."""
+    device, dtype = result["parameter_place"]
+    if result["optimized"] != [(0, device, dtype)]:
+        raise WrongAnswer(f"{context}: this rank owns no parameter, so its inner optimizer must hold one placeholder "
+                          f"of 0 elements on {device} in {dtype}; it holds (elements, device, dtype) "
+                          f"{result['optimized']}")
 
 
 def run_training(ranks, world_size: int, config: dict) -> list[dict]:
@@ -169,9 +205,11 @@ def test_matches_unsharded(ranks, world_size, config):
 @pytest.mark.parametrize("world_size", [2])
 @examples(PROBLEM, shrink=False)
 @given(config=configs(("adamw", "sgd_momentum")))
+@example(config={"optimizer": "adamw", "seed": 3, "width": 5, "hidden": 4, "outputs": 2, "rows_per_rank": 2,
+                 "last_weight_only": True, "float64": True})  # ranks that own nothing (the placeholder's rule)
 def test_state_sharded(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
-    unsharded = train_unsharded(config, world_size, torch.float32)["state_bytes"]
+    unsharded = train_unsharded(config, world_size, case_dtype(config))["state_bytes"]
     owners = pinned_owners(config, world_size)
     total = sum(unsharded)
     for rank, result in enumerate(results):
@@ -186,6 +224,8 @@ def test_state_sharded(ranks, world_size, config):
                 + (" (it keeps the full state: step only the owned parameters)" if got >= total else "")
                 + f" ({config})"
             )
+        if rank not in owners:
+            check_placeholder(result, f"rank {rank} of {world_size}, {config}")
 
 
 @pytest.mark.parametrize("world_size", [4])

@@ -40,8 +40,10 @@ class ShardedOptimizer:
         # broadcast names its source by global rank, which differs from the rank inside a subgroup.
         self._sources = [dist.get_global_rank(world, owner) for owner in self.owner_ranks]
         mine = [p for p, owner in zip(self.params, self.owner_ranks) if owner == rank]
-        # A rank that owns nothing still needs an optimizer object; torch refuses an empty parameter list.
-        self.optimizer = optimizer_cls(mine or [torch.zeros(0, requires_grad=True)], **kwargs)
+        # A rank that owns nothing still needs an optimizer object; torch refuses an empty parameter list. The
+        # placeholder sits where the parameters do, so nothing the optimizer keeps lands on another device.
+        placeholder = torch.zeros(0, device=self.params[0].device, dtype=self.params[0].dtype, requires_grad=True)
+        self.optimizer = optimizer_cls(mine or [placeholder], **kwargs)
 
     def step(self) -> None:
         self.optimizer.step()

@@ -31,7 +31,8 @@ class ShardedOptimizer:
         holds the fewest elements (`numel()`) so far; on a tie, the lowest rank.
       * `self.optimizer` is an instance of `optimizer_cls(owned, **kwargs)` built over this rank's parameters only
         (`owned`: in the order given), so it creates and keeps optimizer state for those only. A rank that owns no
-        parameter still builds one (over a placeholder tensor that never gets a gradient).
+        parameter still builds one, over one placeholder (pinned): a tensor of 0 elements with requires_grad=True,
+        on the device and in the dtype of the first parameter given; it never gets a gradient.
       * `step()` steps `self.optimizer`, then every rank receives the updated values of every parameter from its
         owner (in place: the caller's parameter tensors change). Afterwards every rank holds exactly the
         parameters the unsharded `optimizer_cls(params, **kwargs)` would have produced.
