@@ -17,7 +17,7 @@ import pytest
 
 from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
-from grader import backend, budget, outer_timeout, profiles, reference_lock, seal, stubs
+from grader import backend, budget, lanes, outer_timeout, profiles, reference_lock, seal, stubs
 from grader.cluster.snapshot import snapshot
 from grader.distributed.launcher import RankJob, launcher_for
 from grader.context import Context, current, secret_seed, set_current, take_secret_seed
@@ -42,6 +42,8 @@ PROGRESS = pytest.StashKey[Progress]()
 ALL_STUBS = pytest.StashKey[dict]()
 # Per problem: when its first test started and its last one ended (wall clock, for the results file).
 PROBLEM_SPAN = pytest.StashKey[dict]()
+# Set when the tests ran in lanes (--jobs): the parent then prints every failure it shows itself.
+GRADED_IN_LANES = pytest.StashKey[bool]()
 
 __all__ = [
     "pytest_addoption",
@@ -49,6 +51,7 @@ __all__ = [
     "pytest_itemcollected",
     "pytest_collection_modifyitems",
     "pytest_collection_finish",
+    "pytest_runtestloop",
     "pytest_report_teststatus",
     "pytest_timeout_set_timer",
     "pytest_runtest_setup",
@@ -94,6 +97,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "bwrap, uid or none (env GRADER_ISOLATION)")
     group.addoption("--refuse-unisolated", action="store_true",
                     help="stop with a usage error where no sandbox (bwrap or uid) can be had: cluster grading jobs")
+    group.addoption("--jobs", type=int, default=int(os.environ.get("GRADER_JOBS", "1")),
+                    help="grade the selected problems in this many concurrent processes, whole problems each (e.g. 3 on "
+                         "a GPU host with 16 cores; default 1: one after another; env GRADER_JOBS)")
+    group.addoption("--lane-record", default=None,
+                    help="(set by --jobs for the processes it starts: the file their results go to)")
     group.addoption("--results-nonce", default="",
                     help="a grading job's nonce, signed into the results with the key in GRADER_RESULTS_KEY_FILE")
 
@@ -334,7 +342,9 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
     problem = problem_of(item)
     if problem is None:
         return
-    item.config.stash[PROBLEM_SPAN].setdefault(problem.id, [time.monotonic(), time.monotonic()])
+    if problem.id not in item.config.stash[PROBLEM_SPAN]:
+        item.config.stash[PROBLEM_SPAN][problem.id] = [time.monotonic(), time.monotonic()]
+        record_for_parent(item.config, ("started", problem.id))
     if PROGRESS in item.config.stash:
         item.config.stash[PROGRESS].test_started(problem.id)
     module_file = current().impl.module_file(problem.id)
@@ -393,8 +403,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         item.config.stash[PROBLEM_SPAN][problem.id][1] = time.monotonic()
     if problem is None or (report.when != "call" and report.passed) or report.when == "teardown":
         return
-    share = problem.points[group_of(item)] / item.config.stash[GROUP_SIZES][(problem.id, group_of(item))]
-    result = TestResult(item.nodeid, problem, group_of(item), share, duration_s=report.duration)
+    result = TestResult(item.nodeid, problem, group_of(item), test_share(item.config, problem, item),
+                        duration_s=report.duration)
     if report.passed and PARTIAL in item.stash:
         result.fraction, result.message = item.stash[PARTIAL]
     if report.skipped:
@@ -412,8 +422,16 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                 part for part in (f"[{result.status}] {result.message}", notes, reproduce_hint(item)) if part
             )
     item.config.stash[RESULTS][item.nodeid] = result
+    record_for_parent(item.config, ("result", result, item.config.stash[PROBLEM_SPAN][problem.id]))
     if PROGRESS in item.config.stash:
         item.config.stash[PROGRESS].test_finished(problem.id, result.status)
+
+
+def record_for_parent(config: pytest.Config, record: tuple) -> None:
+    """In a lane of --jobs: pass the record to the process that started the lane (see grader.lanes)."""
+    path = config.getoption("--lane-record")
+    if path:
+        lanes.append_record(Path(path), record)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -428,6 +446,51 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         if reporter is not None:
             reporter.showfspath = False  # the progress line names the problem
         session.config.option.console_output_style = "classic"  # no percentages: the progress lines count
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtestloop(session: pytest.Session):
+    """With --jobs N and more than one problem selected, the tests run in N lanes (grader.lanes), not here."""
+    config = session.config
+    problem_ids = {getattr(problem_of(item), "id", None) for item in session.items}
+    if (config.getoption("--jobs") <= 1 or config.getoption("--lane-record") or config.option.collectonly
+            or None in problem_ids or len(problem_ids) < 2):
+        return None
+    context = current()
+    seed = secret_seed() if context.profile == "grading" else None
+    unrecorded = lanes.run(session, config.getoption("--jobs"), context.impl.path, seed,
+                           lambda record: take_lane_record(config, record))
+    for log_tail, nodeids in unrecorded.items():
+        for item in (item for item in session.items if item.nodeid in nodeids):
+            problem = problem_of(item)
+            result = lanes.lost_result(item.nodeid, problem, group_of(item), test_share(config, problem, item),
+                                       log_tail)
+            take_lane_record(config, ("result", result, None))
+    config.stash[GRADED_IN_LANES] = True
+    session.testsfailed = sum(result.status not in ("passed", "skipped") for result in config.stash[RESULTS].values())
+    return True
+
+
+def test_share(config: pytest.Config, problem: Problem, item: pytest.Item) -> float:
+    """The points one test is worth: its group's points over the number of the group's tests collected here."""
+    return problem.points[group_of(item)] / config.stash[GROUP_SIZES][(problem.id, group_of(item))]
+
+
+def take_lane_record(config: pytest.Config, record: tuple) -> None:
+    """In the parent of --jobs: one record of a lane (a problem started, or a test's result and its problem's span)."""
+    progress = config.stash.get(PROGRESS, None)
+    if record[0] == "started":
+        if progress is not None:
+            progress.test_started(record[1])
+        return
+    _, result, span = record
+    # The lane collected only the selected tests; the share counts the tests of the group collected here.
+    result.share = result.problem.points[result.group] / config.stash[GROUP_SIZES][(result.problem.id, result.group)]
+    config.stash[RESULTS][result.nodeid] = result
+    if span is not None:
+        config.stash[PROBLEM_SPAN][result.problem.id] = span
+    if progress is not None:
+        progress.test_finished(result.problem.id, result.status)
 
 
 def pytest_report_teststatus(report: pytest.TestReport, config: pytest.Config):
@@ -446,13 +509,20 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
     results = list(config.stash.get(RESULTS, {}).values())
     if not results:
         return
+    if config.getoption("--lane-record"):
+        return  # a lane of --jobs: the process that started it prints the summary of every lane
     context = current()
-    if not shows_every_failure(config):
-        failed = [result for result in results if result.status not in ("passed", "skipped", "not implemented")]
-        if failed:
-            terminalreporter.section("failures")
-            for line in failure_summary(failed):
-                terminalreporter.write_line(line)
+    failed = [result for result in results if result.status not in ("passed", "skipped", "not implemented")]
+    if failed and not shows_every_failure(config):
+        terminalreporter.section("failures")
+        for line in failure_summary(failed):
+            terminalreporter.write_line(line)
+    elif failed and GRADED_IN_LANES in config.stash:
+        terminalreporter.section("failures")  # pytest printed none here: the tests ran in the lanes
+        for result in failed:
+            terminalreporter.write_line(f"{result.problem.id}: {result.nodeid}")
+            for line in result.detail.splitlines() or [f"[{result.status}] {result.message}"]:
+                terminalreporter.write_line("    " + line)
     terminalreporter.section("score")
     terminalreporter.write_line(f"impl: {context.impl.path}   profile: {context.profile}   device: {context.device}")
     for line in score_table(by_problem(results), isolation_line(context.isolation.level, context.isolation_note)):
