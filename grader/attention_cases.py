@@ -22,6 +22,7 @@ from grader.context import current
 from grader.outcomes import RuleViolation, WrongAnswer
 from grader.strategies import dims, size_scale
 
+TORCH_TILE_SIZE = 16  # the PyTorch problem's pinned TILE_SIZE (rows of a query tile and of a key tile)
 FUNCTION_NODE = "FlashAttentionFunctionBackward"  # autograd's name for the node of FlashAttentionFunction.apply
 # Laid out as given ([batch, heads, seq, head_dim]); as views of [batch, seq, heads, head_dim] tensors (what a
 # projection followed by a transpose gives); as views of one packed [batch, seq, 3, heads, head_dim] tensor.
@@ -141,24 +142,39 @@ def attention_cases(
 # --- the probe ----------------------------------------------------------------------------------------------------
 
 
-class _SquareTensorRecorder(TorchDispatchMode):
-    """Records every tensor an operator returns that has two dimensions of length `seq`: an n x n matrix."""
+class _WideTensorRecorder(TorchDispatchMode):
+    """Records every tensor an operator returns that has two dimensions of length `seq` (an n x n matrix) or, with
+    `tile`, a dimension of length seq beside one of length tile (a tile of queries against every key, or of keys
+    against every query)."""
 
-    def __init__(self, seq: int):
+    def __init__(self, seq: int, tile: int | None):
         super().__init__()
         self.seq = seq
+        self.tile = tile
         self.seen: list[str] = []
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
         for tensor in result if isinstance(result, (tuple, list)) else (result,):
-            if isinstance(tensor, torch.Tensor) and is_square(tensor.shape, self.seq) and len(self.seen) < 10:
+            if isinstance(tensor, torch.Tensor) and len(self.seen) < 10 and (
+                    is_square(tensor.shape, self.seq) or spans_all_keys(tensor.shape, self.seq, self.tile)):
                 self.seen.append(f"{func} -> {tuple(tensor.shape)}")
         return result
 
 
 def is_square(shape, seq: int) -> bool:
     return sum(1 for size in shape if size == seq) >= 2
+
+
+def spans_all_keys(shape, seq: int, tile: int | None) -> bool:
+    return tile is not None and seq in shape and tile in shape
+
+
+def tile_rule(shape, tile: int) -> int | None:
+    """`tile` when a dimension of that length beside one of length seq can only be a tile against a whole sequence:
+    seq differs from the tile and neither is another dimension of q (batch, heads, head_dim); else None."""
+    *others, seq, head_dim = shape
+    return tile if seq != tile and not {seq, tile} & {*others, head_dim} else None
 
 
 def _function_nodes(output) -> list:
@@ -194,7 +210,9 @@ def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[st
     from grader.sandbox.allowed_ops import ALLOWED_OPS
 
     inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    squares = _SquareTensorRecorder(q.shape[-2])
+    # The PyTorch problem pins its tiles (TILE_SIZE rows of queries and of keys); a Triton kernel's tiles are its own
+    # and live in registers, out of this recorder's sight.
+    squares = _WideTensorRecorder(q.shape[-2], None if uses_triton else tile_rule(q.shape, TORCH_TILE_SIZE))
     forbidden = guards.ForbiddenOpRecorder(tuple(forbidden_ops), ALLOWED_OPS if uses_triton else None)
     report = {"saved": None, "lse": None, "ctx_tensors": [], "backward_launches": [], "grads": None}
     triton_hooks.LAUNCHES.reset()
@@ -382,8 +400,10 @@ def check_no_score_matrix(report: dict, seq: int, context: str) -> None:
         )
     if report["square_tensors"]:
         raise WrongAnswer(
-            f"flash_attention built n x n tensors (seq = {seq}) in its forward or backward: "
-            f"{'; '.join(report['square_tensors'])}; scores, probabilities and masks must stay in tiles ({context})"
+            f"flash_attention built tensors spanning the whole sequence (seq = {seq}) along two dimensions, or along "
+            f"one beside a tile of {TORCH_TILE_SIZE}, in its forward or backward: "
+            f"{'; '.join(report['square_tensors'])}; scores, probabilities and masks must stay in TILE_SIZE x "
+            f"TILE_SIZE blocks ({context})"
         )
 
 
