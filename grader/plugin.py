@@ -466,6 +466,8 @@ def pytest_runtestloop(session: pytest.Session):
             result = lanes.lost_result(item.nodeid, problem, group_of(item), test_share(config, problem, item),
                                        log_tail)
             take_lane_record(config, ("result", result, None))
+    results = config.stash[RESULTS]  # in collection order, as one process lists them
+    config.stash[RESULTS] = {item.nodeid: results[item.nodeid] for item in session.items if item.nodeid in results}
     config.stash[GRADED_IN_LANES] = True
     session.testsfailed = sum(result.status not in ("passed", "skipped") for result in config.stash[RESULTS].values())
     return True

@@ -5,7 +5,8 @@ gates, given, so the test isolates dispatch and combine), all expert weights and
 receives only its own part (through rank_data): its tokens, their routing and upstream gradient, and its own experts'
 weights; the shared config (without its seed) gives only the sizes. The program `moe_on_rank` runs the student's
 layer forward and backward on them, and returns outputs, gradients and the collectives it issued; here they are
-compared with one process running the whole layer over all tokens with all experts.
+compared with one process running the whole layer over all tokens with all experts. In `test_process_group` the four
+ranks form two groups of two, each an independent layer over its own group, with its own tokens and experts.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
 from grader.distributed.rank import rank_device
-from grader.outcomes import WrongAnswer
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
+from grader.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
 from grader.strategies import data_seeds
 from grader.profiles import examples
 
@@ -63,8 +65,11 @@ def expert_rows(config: dict, rank: int) -> slice:
 
 def moe_on_rank(student, rank: int, world_size: int, config: dict, *, rank_data: dict) -> dict:
     """Runs in a rank process: the student's layer on this rank's tokens and experts (rank_data: this rank's part of
-    make_case), forward and backward."""
+    make_case), forward and backward. With config["group_size"], the ranks form consecutive groups of that size, each
+    an independent layer whose experts are split over its own group."""
     device = rank_device()
+    group_size = config.get("group_size") or world_size
+    group = join_group(rank, world_size, group_size) if group_size < world_size else None
     x_TD = rank_data["x_TD"].to(device).requires_grad_()
     gate_TK = rank_data["gate_TK"].to(device).requires_grad_()
     w_in_EDH = rank_data["w_in_EDH"].to(device).requires_grad_()
@@ -72,7 +77,7 @@ def moe_on_rank(student, rank: int, world_size: int, config: dict, *, rank_data:
     recorder.reset()
     with recorder.phase("forward"):
         y_TD = student.expert_parallel_moe(x_TD, rank_data["expert_index_TK"].to(device), gate_TK, w_in_EDH,
-                                           w_out_EHD, config["experts_per_rank"] * world_size)
+                                           w_out_EHD, config["experts_per_rank"] * group_size, group=group)
     with recorder.phase("backward"):
         y_TD.backward(rank_data["grad_y_TD"].to(device))
 
@@ -90,18 +95,25 @@ TOKEN_FIELDS = ("x_TD", "expert_index_TK", "gate_TK", "grad_y_TD")
 EXPERT_FIELDS = ("w_in_EDH", "w_out_EHD")
 
 
-def run_on_ranks(ranks, world_size: int, config: dict) -> list[dict]:
-    """Each rank's results, each rank given only its own tokens (with their routing and upstream gradient) and its
-    own experts' weights; all ranks share only the config without its seed."""
+def rank_inputs(config: dict, world_size: int) -> list[dict]:
+    """Each rank's part of make_case: its own tokens (with their routing and upstream gradient) and its own experts'
+    weights."""
     case = make_case(config, world_size, torch.float32)
     # Cloned: a slice saved whole would carry its base tensor's storage, every rank's rows, along with it.
-    rank_data = [
+    return [
         {**{name: case[name][token_rows(config, rank)].clone() for name in TOKEN_FIELDS},
          **{name: case[name][expert_rows(config, rank)].clone() for name in EXPERT_FIELDS}}
         for rank in range(world_size)
     ]
+
+
+def run_on_ranks(ranks, world_size: int, config: dict) -> list[dict]:
+    """Each rank's results, each rank given only its own inputs (rank_inputs; with config["group_size"], its part of
+    its group's case); all ranks share only the config without its seed."""
+    group_size = config.get("group_size") or world_size
     public = {key: value for key, value in config.items() if key != "seed"}
-    return ranks.run(moe_on_rank, world_size, public, rank_data=rank_data)
+    return ranks.run(moe_on_rank, world_size, public,
+                     rank_data=inputs_by_group(config, world_size, group_size, rank_inputs))
 
 
 def single_rank(config: dict, world_size: int, dtype: torch.dtype, reference) -> dict:
@@ -215,3 +227,31 @@ def test_uses_all_to_all(ranks, world_size, data):
             if "all_to_all_single" not in ops:
                 raise WrongAnswer(f"rank {rank} of {world_size} issued no all_to_all_single in {phase} (only "
                                   f"{ops}); dispatch and combine tokens with all_to_all_single ({config})")
+
+
+
+
+GROUPS_SETUP = "4 ranks in two groups, {0, 1} and {2, 3}, each calling expert_parallel_moe with its own group"
+
+
+@pytest.mark.parametrize("world_size", [4])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_process_group(ranks, reference, world_size, data):
+    """Two independent pairs of ranks, {0, 1} and {2, 3}, each a layer over its own group with its own tokens and
+    experts: a layer that routes over the default group sends tokens to the other pair's experts, or to ranks that do
+    not hold the experts it counts on."""
+    group_size = 2
+    config = {**data.draw(configs(group_size)), "group_size": group_size}
+    try:
+        results = run_on_ranks(ranks, world_size, config)
+    except (StudentError, StudentCrashed, StudentTimedOut) as error:
+        # The ranks' own message speaks of 4 ranks; say that each pair called the layer with its own group.
+        raise with_setup(error, GROUPS_SETUP) from None
+    for index, group_results in results_by_group(results, group_size):
+        members = list(range(index * group_size, (index + 1) * group_size))
+        try:
+            check_against_single_rank(group_results, group_case(config, index), group_size, reference)
+        except WrongAnswer as error:
+            raise WrongAnswer(f"in the group of global ranks {members} (group ranks 0 and 1, the layer called with "
+                              f"that group): {error}") from None

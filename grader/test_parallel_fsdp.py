@@ -4,7 +4,8 @@ The program `train_on_rank` runs inside each rank process with the student's mod
 unit per block), trains a few steps on the rank's rows, and returns the shards, their gradients, the collectives of
 each step and, when asked, the rank's peak tensor bytes during a step (grader.distributed.memory). A rank receives
 only its own inputs, built here (the initial weights and its rows of the batch): no rank can rebuild another's rows.
-Everything is compared here against single-process training on the full batch.
+Everything is compared here against single-process training on the full batch. In test_process_group the world splits
+into groups (grader.distributed.subgroups), each training its own case.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from grader.distributed import recorder
 from grader.distributed.memory import MemoryProbe, probe_point
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.rank import rank_device
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.marks import multi_gpu
 from grader.outcomes import WrongAnswer
@@ -107,8 +109,12 @@ def rank_inputs(config: dict, world_size: int) -> list[dict]:
 
 
 def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: dict) -> dict:
-    """Runs in a rank process: the student's FSDP on this rank's rank_data (rank_inputs), every step recorded."""
+    """Runs in a rank process: the student's FSDP on this rank's rank_data (rank_inputs), every step recorded. With
+    config["group_size"], the ranks form consecutive groups of that size, each an independent run (its own weights
+    and data) with its own FSDP over its group."""
     device = rank_device()
+    group_size = config.get("group_size") or world_size
+    group = join_group(rank, world_size, group_size) if group_size < world_size else None
     x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     measure = config.get("measure_memory", False)
     result = {"grads": [], "calls": [], "peaks": [], "held_between_steps": []}
@@ -124,7 +130,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
             result["activation_bytes"] = memory.probe("plain forward")
             del activations
             model.attach(memory)
-        fsdp = student.FSDP(model, compute_dtype=DTYPES[config.get("compute_dtype")])
+        fsdp = student.FSDP(model, compute_dtype=DTYPES[config.get("compute_dtype")], group=group)
         shards = fsdp.sharded_parameters()
         # Copies the checks need would count as held memory: the memory test keeps none.
         record = not measure
@@ -168,9 +174,12 @@ def construct_on_rank(student, rank: int, world_size: int, config: dict) -> dict
 
 
 def run_training(ranks, world_size: int, config: dict, reference: bool = False) -> list[dict]:
-    """train_on_rank on every rank (with the reference's module if `reference`), each given only its own inputs."""
+    """train_on_rank on every rank (with the reference's module if `reference`), each given only its own inputs (with
+    config["group_size"], its group's)."""
     launch = ranks.run_reference if reference else ranks.run
-    return launch(train_on_rank, world_size, without_seeds(config), rank_data=rank_inputs(config, world_size))
+    group_size = config.get("group_size") or world_size
+    return launch(train_on_rank, world_size, without_seeds(config),
+                  rank_data=inputs_by_group(config, world_size, group_size, rank_inputs))
 
 
 # --- the expected values ------------------------------------------------------------------------------------------
@@ -222,6 +231,8 @@ def train_single_process(config: dict, world_size: int, dtype: torch.dtype, shar
 # --- checks -------------------------------------------------------------------------------------------------------
 
 
+
+
 def check_shard(actual, exact: torch.Tensor, at_dtype, what: str, context: str,
                 multiple: float = PROBLEM.error_multiple, scale: float | None = None) -> None:
     if actual is None:
@@ -230,34 +241,36 @@ def check_shard(actual, exact: torch.Tensor, at_dtype, what: str, context: str,
                  floor_ulps=PROBLEM.floor_ulps, scale=scale)
 
 
-def check_shards_at_construction(results: list[dict], config: dict, world_size: int) -> None:
+def check_shards_at_construction(results: list[dict], config: dict, world_size: int, group: int | None = None) -> None:
     model = make_model(config)
     per_unit = units(model)
     for rank, result in enumerate(results):
+        where = rank_name(rank, world_size, group)
         got = result["shards_at_construction"]
         if len(got) != len(per_unit):
-            raise WrongAnswer(f"rank {rank}: sharded_parameters() returned {len(got)} shards for {len(per_unit)} units")
+            raise WrongAnswer(f"{where}: sharded_parameters() returned {len(got)} shards for {len(per_unit)} units")
         for (name, params), shard in zip(per_unit, got):
             want = shard_of([p for _, p in params], world_size, rank)
             if shard.shape != want.shape or not torch.equal(shard, want):
                 raise WrongAnswer(
-                    f"rank {rank}: the shard of unit {name} after construction is not elements "
+                    f"{where}: the shard of unit {name} after construction is not elements "
                     f"[{rank} * S, {rank + 1} * S) of the unit's zero-padded flat parameter (S = {want.numel()}, "
                     f"got {tuple(shard.shape)} elements) ({config})"
                 )
 
 
 def check_training(results: list[dict], config: dict, world_size: int, reference_results: list[dict] | None = None,
-                   multiple: float = PROBLEM.error_multiple) -> None:
+                   multiple: float = PROBLEM.error_multiple, group: int | None = None) -> None:
     """Every rank's gradient shards and final shards against single-process training (float64 exact; float32, or
     the reference's run with the same compute dtype, for the tolerance). Against float32 runs, the floor's scale is
-    the whole model's (compare.py); a lower-precision calibration keeps each shard's own."""
+    the whole model's (compare.py); a lower-precision calibration keeps each shard's own. With `group`, `results`
+    are that group's ranks, `world_size` of them."""
     exact = train_single_process(config, world_size, torch.float64)
     at_fp32 = ([] if reference_results is not None  # the calibration runs stand in for them
                else [train_single_process(config, world_size, torch.float32, shards) for shards in (1, world_size)])
     names = [name for name, _ in units(make_model(config))]
     for rank, result in enumerate(results):
-        context = f"rank {rank} of {world_size}, {config}"
+        context = f"{rank_name(rank, world_size, group)}, {config}"
         calibration = reference_results[rank] if reference_results is not None else None
         for step in range(STEPS):
             scale = None if calibration is not None else largest_magnitude(
@@ -434,6 +447,20 @@ def test_compute_dtype_bf16(ranks, world_size, config):
     # The tolerance is calibrated on the reference's own bf16 run.
     check_training(results, config, world_size, run_training(ranks, world_size, config, reference=True),
                    multiple=PROBLEM.extra["bf16_error_multiple"])
+
+
+@pytest.mark.parametrize("world_size", [4])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_process_group(ranks, world_size, config):
+    """Two independent pairs of ranks, {0, 1} and {2, 3}, each with its own weights, data and FSDP over its own
+    group: an FSDP that shards, gathers or reduce-scatters over the default group mixes the pairs' parameters and
+    gradients, and one that takes the shard of its global rank finds none in the pair {2, 3}."""
+    config = {**config, "variant": "plain", "group_size": 2}
+    for index, results in results_by_group(run_training(ranks, world_size, config), 2):
+        case = group_case(config, index)
+        check_shards_at_construction(results, case, 2, group=index)
+        check_training(results, case, 2, group=index)
 
 
 # --- speed on two GPUs ----------------------------------------------------------------------------------------------

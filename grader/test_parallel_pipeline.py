@@ -6,7 +6,8 @@ stage and the targets on the last. The shared config (without its seed) gives on
 program `train_stage_on_rank` runs inside each rank process: it builds its stage from those weights and records from
 hooks on the stage module the order of its forward calls ("F") and of the backward passes through its outputs
 ("B"). Gradients, losses and weights come back and are compared here with one process training the whole model on
-the full batch; the recorded orders are compared with the pinned schedules.
+the full batch; the recorded orders are compared with the pinned schedules. In `test_process_group` the four ranks form
+two groups of two, each an independent two-stage pipeline over its own group, with its own weights and batch.
 """
 
 from __future__ import annotations
@@ -22,7 +23,8 @@ from grader.compare import assert_close, assert_raises
 from grader.distributed.rank_data import without_seeds
 from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
-from grader.outcomes import WrongAnswer
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
+from grader.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
 from grader.strategies import data_seeds
 from grader.profiles import examples
 
@@ -30,6 +32,7 @@ PROBLEM = BY_ID["parallel.pipeline"]
 STEPS = 2
 LEARNING_RATE = 0.1
 MOMENTUM = 0.9
+SCHEDULES = ("gpipe", "1f1b")
 
 
 class Layer(torch.nn.Module):
@@ -91,11 +94,12 @@ def build_stage(config: dict, first: int, last: int, parameters: list[torch.Tens
     return torch.nn.Sequential(*layers)
 
 
-def train_stage_on_rank(student, rank: int, world_size: int, config: dict, *, rank_data: dict) -> dict:
-    """Runs in a rank process: STEPS optimizer steps of this rank's stage, with its event order per step. rank_data
-    holds the stage's initial parameters, and the batch's inputs x (first stage) or targets y (last stage)."""
+def train_stage(student, stage_index: int, stages: int, config: dict, rank_data: dict, group) -> dict:
+    """In a rank process: STEPS optimizer steps of stage `stage_index` of a pipeline of `stages` stages over `group`
+    (None: the default group), with its event order per step. rank_data holds the stage's initial parameters, and
+    the batch's inputs x (first stage) or targets y (last stage)."""
     device = rank_device()
-    first, last = config["bounds"][rank], config["bounds"][rank + 1]
+    first, last = config["bounds"][stage_index], config["bounds"][stage_index + 1]
     stage = build_stage(config, first, last, rank_data["parameters"]).to(device)
     events: list[str] = []
     stage.register_forward_pre_hook(lambda module, args: events.append("F"))
@@ -109,8 +113,8 @@ def train_stage_on_rank(student, rank: int, world_size: int, config: dict, *, ra
     for _ in range(STEPS):
         events.clear()
         loss = student.pipeline_step(
-            stage, x.to(device) if rank == 0 else None, y.to(device) if rank == world_size - 1 else None,
-            config["micro_batches"], config["schedule"], input_shape, torch.nn.functional.mse_loss,
+            stage, x.to(device) if stage_index == 0 else None, y.to(device) if stage_index == stages - 1 else None,
+            config["micro_batches"], config["schedule"], input_shape, torch.nn.functional.mse_loss, group=group,
         )
         losses.append(None if loss is None else torch.as_tensor(loss).detach().cpu().clone())
         grads.append([None if p.grad is None else p.grad.detach().cpu().clone() for p in stage.parameters()])
@@ -119,6 +123,22 @@ def train_stage_on_rank(student, rank: int, world_size: int, config: dict, *, ra
         optimizer.zero_grad(set_to_none=False)
     return {"grads": grads, "losses": losses, "orders": orders,
             "final": [p.detach().cpu().clone() for p in stage.parameters()]}
+
+
+def train_stage_on_rank(student, rank: int, world_size: int, config: dict, *, rank_data: dict) -> dict:
+    """Runs in a rank process: train_stage of stage `rank` of a pipeline over the whole world."""
+    return train_stage(student, rank, world_size, config, rank_data, None)
+
+
+def train_groups_on_rank(student, rank: int, world_size: int, config: dict, *, rank_data: dict) -> dict:
+    """Runs in a rank process: the ranks form consecutive groups of config["group_size"], each a pipeline over its
+    own group; this rank is the stage of its place in its group. Each schedule of SCHEDULES trains in turn, from
+    the same initial weights: {schedule: train_stage's results}."""
+    group_size = config["group_size"]
+    group = join_group(rank, world_size, group_size)
+    return {schedule: train_stage(student, rank % group_size, group_size, {**config, "schedule": schedule},
+                                  rank_data, group)
+            for schedule in SCHEDULES}
 
 
 def train_single_process(config: dict, dtype: torch.dtype, reference) -> dict:
@@ -136,21 +156,25 @@ def train_single_process(config: dict, dtype: torch.dtype, reference) -> dict:
     return {"grads": grads, "losses": losses, "final": [p.detach().clone() for p in layer_parameters(layers)]}
 
 
-def run_stages(ranks, world_size: int, config: dict) -> list[dict]:
-    """Each stage's results, each rank given only its own layers' weights, the inputs on the first stage and the
-    targets on the last."""
+def stage_inputs(config: dict, stages: int) -> list[dict]:
+    """Each stage's own inputs: its layers' initial weights, the inputs on the first stage and the targets on the
+    last."""
     layers = make_layers(config)
     x, y = make_batch(config)
     bounds = config["bounds"]
-    rank_data = [
+    return [
         {
-            "parameters": [p.detach().clone() for p in layer_parameters(layers[bounds[rank]:bounds[rank + 1]])],
-            "x": x if rank == 0 else None,
-            "y": y if rank == world_size - 1 else None,
+            "parameters": [p.detach().clone() for p in layer_parameters(layers[bounds[stage]:bounds[stage + 1]])],
+            "x": x if stage == 0 else None,
+            "y": y if stage == stages - 1 else None,
         }
-        for rank in range(world_size)
+        for stage in range(stages)
     ]
-    return ranks.run(train_stage_on_rank, world_size, without_seeds(config), rank_data=rank_data)
+
+
+def run_stages(ranks, world_size: int, config: dict) -> list[dict]:
+    """Each stage's results, each rank given only its own stage_inputs."""
+    return ranks.run(train_stage_on_rank, world_size, without_seeds(config), rank_data=stage_inputs(config, world_size))
 
 
 def expected_order(schedule: str, stages: int, stage: int, micro_batches: int) -> list[str]:
@@ -282,6 +306,10 @@ def test_gpipe_order(ranks, world_size, data):
     check_orders(run_stages(ranks, world_size, config), config, world_size)
 
 
+GROUPS_SETUP = ("4 ranks in two groups, {0, 1} and {2, 3}, each a 2-stage pipeline calling pipeline_step with its "
+                "own group (its stage 1 is global rank 1 in the first group, 3 in the second)")
+
+
 @pytest.mark.parametrize("world_size", [4])
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
@@ -315,3 +343,31 @@ def test_invalid_arguments(ranks, world_size):
         for call, got in not_raising(raised, "ValueError"):
             raise WrongAnswer(f"pipeline_step({call}) on stage {rank} of {world_size} must raise ValueError "
                               f"before sending anything; {got}")
+
+
+
+
+@pytest.mark.parametrize("world_size", [4])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_process_group(ranks, reference, world_size, data):
+    """Two independent 2-stage pipelines, on ranks {0, 1} and {2, 3}, each over its own group with its own weights
+    and batch, trained with GPipe and then with 1F1B: a stage that sends to, or receives from, a rank outside its
+    group (naming peers by group rank, or using the default group) mixes the pipelines or waits forever."""
+    group_size = 2
+    config = {**data.draw(configs(group_size, SCHEDULES[0])), "group_size": group_size}
+    try:
+        results = ranks.run(train_groups_on_rank, world_size, without_seeds(config),
+                            rank_data=inputs_by_group(config, world_size, group_size, stage_inputs))
+    except (StudentError, StudentCrashed, StudentTimedOut) as error:
+        # The ranks' own message speaks of 4 ranks; say that each pair ran its own pipeline over its own group.
+        raise with_setup(error, GROUPS_SETUP) from None
+    for index, group_results in results_by_group(results, group_size):
+        members = list(range(index * group_size, (index + 1) * group_size))
+        for schedule in SCHEDULES:
+            try:
+                check_training([result[schedule] for result in group_results],
+                               {**group_case(config, index), "schedule": schedule}, group_size, reference)
+            except WrongAnswer as error:
+                raise WrongAnswer(f"in the pipeline of global ranks {members} (its stages 0 and 1), schedule "
+                                  f"{schedule!r}: {error}") from None

@@ -11,6 +11,10 @@ Each rank's inputs are built here and reach that rank alone (`rank_data`): its o
 the block the full weights (every rank holds them: the constructor shards them), the dropout seeds (drawn apart from
 the inputs' seed) and only the rank's own tokens of the input and of the upstream gradient. The arguments every rank
 sees hold only shapes, so no rank can rebuild another rank's tokens without communicating.
+
+test_process_group runs the two collectives and the block with dropout in a world of four split into two groups of
+two (grader/distributed/subgroups.py), each group with its own weights and data: a collective over the default group
+mixes the two groups' tokens or gradients.
 """
 
 from __future__ import annotations
@@ -22,9 +26,10 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close, assert_equal
 from grader.distributed import recorder
-from grader.distributed.rank_data import without_seeds
+from grader.distributed.rank_data import integer_tensor, without_seeds
 from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.outcomes import WrongAnswer
 from grader.strategies import data_seeds
 from grader.profiles import examples
@@ -37,6 +42,7 @@ PARAMETERS = {"norm.weight": "full", "norm.bias": "full", "fc1.weight": "rows", 
 # The recorder names each call by the function called; every form of a collective counts as the collective.
 SAME_OP = {"all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
            "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter"}
+GROUP_SIZE = 2  # test_process_group's groups: {0, 1} and {2, 3} of a world of four
 
 
 def floor_ulps(expected64: torch.Tensor, step: dict) -> float:
@@ -65,10 +71,6 @@ def calls_by_phase() -> dict[str, list[tuple[str, int]]]:
 # --- the two collectives ------------------------------------------------------------------------------------------
 
 
-def integer_tensor(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
-    """Small integers as float32: every sum of a few of them is exact, whatever the order."""
-    generator = torch.Generator().manual_seed(seed)
-    return torch.randint(-8, 9, shape, generator=generator).float()
 
 
 def collective_tensors(case: dict, rank: int) -> dict[str, torch.Tensor]:
@@ -84,6 +86,11 @@ def collective_tensors(case: dict, rank: int) -> dict[str, torch.Tensor]:
 
 def run_collectives(student, rank: int, world_size: int, rank_data: dict) -> dict:
     """Runs in a rank process; `rank_data` (this rank's alone) is its collective_tensors."""
+    return collectives_over(student, rank_data, group=None)
+
+
+def collectives_over(student, rank_data: dict, group) -> dict:
+    """run_collectives' work, each collective called with `group` (None: the default group)."""
     device = rank_device()
     tensors = {k: v.to(device) for k, v in rank_data.items()}
     results = {}
@@ -91,7 +98,7 @@ def run_collectives(student, rank: int, world_size: int, rank_data: dict) -> dic
         x = tensors[f"{name}_input"].clone().requires_grad_(True)
         recorder.reset()
         with recorder.phase("forward"):
-            out = function(x)
+            out = function(x, group=group)
         backward_error = None
         try:
             with recorder.phase("backward"):
@@ -139,19 +146,21 @@ def collective_cases(world_size: int) -> st.SearchStrategy[dict]:
     })
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
-def test_gather_and_reduce_scatter(ranks, world_size, data):
-    case = data.draw(collective_cases(world_size))
+
+
+def collective_inputs(case: dict, group_size: int) -> list[dict[str, torch.Tensor]]:
+    return [collective_tensors(case, rank) for rank in range(group_size)]
+
+
+def check_collectives(case: dict, results: list[dict], group_index: int | None = None) -> None:
+    """Each rank's outputs, input gradients and collectives of gather_sequence and reduce_scatter_sequence."""
     names = {"gather": "gather_sequence", "scatter": "reduce_scatter_sequence"}
-    own = [collective_tensors(case, rank) for rank in range(world_size)]
-    for rank, result in enumerate(ranks.run(run_collectives, world_size, rank_data=own)):
+    calls = expected_collective_calls(case)
+    for rank, result in enumerate(results):
         expected = expected_collectives(case, rank)
-        calls = expected_collective_calls(case)
         for name, function in names.items():
-            context = (f"rank {rank} of {world_size}, x_local_BtD [{case['batch']}, {case['tokens_per_rank']}, "
-                       f"{case['width']}] per rank, integer values, seed={case['seed']}")
+            context = (f"{rank_name(rank, case['world_size'], group_index)}, x_local_BtD [{case['batch']}, "
+                       f"{case['tokens_per_rank']}, {case['width']}] per rank, integer values, seed={case['seed']}")
             got = result[name]
             assert_equal(got["input_after"], collective_tensors(case, rank)[f"{name}_input"],
                          what=f"{function}'s argument after the call (it must not be modified)", context=context)
@@ -167,6 +176,14 @@ def test_gather_and_reduce_scatter(ranks, world_size, data):
                 if issued != calls[name][phase]:
                     raise WrongAnswer(f"{function} issued {describe_calls(issued)} in {phase}; expected exactly "
                                       f"{describe_calls(calls[name][phase])} ({context})")
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_gather_and_reduce_scatter(ranks, world_size, data):
+    case = data.draw(collective_cases(world_size))
+    check_collectives(case, ranks.run(run_collectives, world_size, rank_data=collective_inputs(case, world_size)))
 
 
 # --- the block ----------------------------------------------------------------------------------------------------
@@ -229,9 +246,14 @@ def block_from(case: dict, weights: dict):
 def run_block(student, rank: int, world_size: int, case: dict, rank_data: dict) -> dict:
     """Runs in a rank process. `case` (seen by every rank) holds only shapes; `rank_data` (this rank's alone) the full
     weights and, per step, this rank's tokens of the input and of the upstream gradient and the dropout seed."""
+    return block_steps(student, case, rank_data, group=None)
+
+
+def block_steps(student, case: dict, rank_data: dict, group) -> dict:
+    """run_block's work, with the block over `group` (None: the default group)."""
     device = rank_device()
     norm, fc1, fc2 = (m.to(device) for m in block_from(case, rank_data["weights"]))
-    block = student.SequenceParallelMLPBlock(norm, fc1, fc2, case["dropout_p"])
+    block = student.SequenceParallelMLPBlock(norm, fc1, fc2, case["dropout_p"], group=group)
     parameters = dict(block.named_parameters())
     optimizer = torch.optim.SGD(list(parameters.values()), lr=LEARNING_RATE)
     steps = []
@@ -295,7 +317,7 @@ def shard_of(full: torch.Tensor, how: str, rank: int, world_size: int) -> torch.
     return full
 
 
-def check_block(reference, case: dict, results: list[dict]) -> None:
+def check_block(reference, case: dict, results: list[dict], group_index: int | None = None) -> None:
     world_size = case["world_size"]
     expected_names = sorted(n for n in PARAMETERS if case["bias"] or n not in ("fc1.bias", "fc2.bias"))
     exact = single_rank_steps(reference, case, torch.float64)
@@ -303,9 +325,9 @@ def check_block(reference, case: dict, results: list[dict]) -> None:
     for rank, result in enumerate(results):
         if result["parameters"] != expected_names:
             raise WrongAnswer(f"the block's named_parameters() are {result['parameters']}, expected {expected_names} "
-                              f"(rank {rank} of {world_size}, {describe(case, 1)})")
+                              f"({rank_name(rank, world_size, group_index)}, {describe(case, 1)})")
         for step, (got, e, r) in enumerate(zip(result["steps"], exact, at_fp32), start=1):
-            context = f"rank {rank} of {world_size}, {describe(case, step)}"
+            context = f"{rank_name(rank, world_size, group_index)}, {describe(case, step)}"
 
             def close(actual, expected64, reference32, what):
                 if actual is None:
@@ -413,3 +435,35 @@ def test_invalid_arguments(ranks, world_size):
     for rank, raised in enumerate(ranks.run(call_invalid, world_size)):
         for call, got in not_raising(raised, "ValueError"):
             raise WrongAnswer(f"{call} on rank {rank} of {world_size} must raise ValueError; {got}")
+
+
+# --- two groups in a world of four --------------------------------------------------------------------------------
+
+
+def run_in_group(student, rank: int, world_size: int, case: dict, rank_data: dict) -> dict:
+    """Runs in a rank process of a world split into groups of GROUP_SIZE: both collectives (run_collectives), then
+    the block (run_block), each given this rank's group. `case` is the block's shapes; `rank_data` holds this rank's
+    inputs for the collectives and for the block, drawn from its group's cases."""
+    group = join_group(rank, world_size, GROUP_SIZE)
+    return {"collectives": collectives_over(student, rank_data["collectives"], group),
+            "block": block_steps(student, case, rank_data["block"], group)}
+
+
+@pytest.mark.parametrize("world_size", [4])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_process_group(ranks, reference, world_size, data):
+    """Two independent groups of two ranks, {0, 1} and {2, 3}, each with its own weights and data, run both
+    collectives and the block with dropout over their own group: a collective over the default group mixes the two
+    groups' numbers, and a rank index or size taken from the default group cuts the wrong shard."""
+    collective_case = data.draw(collective_cases(GROUP_SIZE))
+    block_case = data.draw(block_cases(GROUP_SIZE, st.sampled_from([0.5, 0.25, 0.1]), steps=1))
+    collectives = inputs_by_group(collective_case, world_size, GROUP_SIZE, collective_inputs)
+    blocks = inputs_by_group(block_case, world_size, GROUP_SIZE, lambda own, _: rank_inputs(own))
+    results = ranks.run(run_in_group, world_size, without_seeds(block_case),
+                        rank_data=[{"collectives": own_collectives, "block": own_block}
+                                   for own_collectives, own_block in zip(collectives, blocks)])
+    for index, group_results in results_by_group(results, GROUP_SIZE):
+        check_collectives(group_case(collective_case, index), [result["collectives"] for result in group_results],
+                          index)
+        check_block(reference, group_case(block_case, index), [result["block"] for result in group_results], index)

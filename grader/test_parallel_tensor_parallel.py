@@ -12,6 +12,10 @@ the upstream gradient (only the rank's shard for the column-parallel layer). The
 shapes, so no rank can rebuild what it should obtain through a collective. The MLP and attention block take replicated
 inputs and full weights, so their values could be computed on one rank alone: test_collective_pattern is what shows
 that they communicate.
+
+test_process_group runs the same layers, and the regions f and g called directly, in a world of four split into two
+groups of two (grader/distributed/subgroups.py), each group with its own weights and data: a collective over the
+default group sums four ranks' numbers instead of two.
 """
 
 from __future__ import annotations
@@ -21,11 +25,12 @@ import torch
 from hypothesis import given, strategies as st
 
 from assignment.registry import BY_ID
-from grader.compare import assert_close
+from grader.compare import assert_close, assert_equal
 from grader.distributed import recorder
-from grader.distributed.rank_data import without_seeds
+from grader.distributed.rank_data import integer_tensor, without_seeds
 from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.outcomes import WrongAnswer
 from grader.strategies import data_seeds
 from grader.profiles import examples
@@ -44,6 +49,7 @@ PARAMETERS = {
 # Whether the layer's input and output are sharded along their last dimension (else replicated).
 SHARDED_INPUT = {"column": False, "row": True, "mlp": False, "attention": False}
 SHARDED_OUTPUT = {"column": True, "row": False, "mlp": False, "attention": False}
+GROUP_SIZE = 2  # test_process_group's groups: {0, 1} and {2, 3} of a world of four
 
 
 def floor_ulps(expected64: torch.Tensor, step: dict) -> float:
@@ -142,26 +148,31 @@ def linear_from(state: dict) -> torch.nn.Linear:
     return linear
 
 
-def build_layer(student, case: dict, weights: dict, device: torch.device):
+def build_layer(student, case: dict, weights: dict, device: torch.device, group):
     linears = {name: linear_from(state).to(device) for name, state in weights.items()}
     kind = case["kind"]
     if kind == "column":
-        return student.ColumnParallelLinear(linears[""])
+        return student.ColumnParallelLinear(linears[""], group=group)
     if kind == "row":
-        return student.RowParallelLinear(linears[""])
+        return student.RowParallelLinear(linears[""], group=group)
     if kind == "mlp":
-        return student.TensorParallelMLP(linears["fc1"], linears["fc2"])
-    return student.TensorParallelAttention(linears["qkv"], linears["proj"], case["heads"], case["causal"])
+        return student.TensorParallelMLP(linears["fc1"], linears["fc2"], group=group)
+    return student.TensorParallelAttention(linears["qkv"], linears["proj"], case["heads"], case["causal"], group=group)
 
 
 def run_layer(student, rank: int, world_size: int, cases: list[dict], rank_data: list[dict]) -> list[dict]:
     """Runs in a rank process: each case's sharded layer for its steps, with the collectives of every phase. `cases`
     (seen by every rank) hold only shapes; `rank_data` (this rank's alone) holds, per case, the full weights and each
     step's input and upstream gradient as this rank holds them (see rank_inputs)."""
+    return layer_steps(student, cases, rank_data, group=None)
+
+
+def layer_steps(student, cases: list[dict], rank_data: list[dict], group) -> list[dict]:
+    """run_layer's work, with every layer sharded over `group` (None: the default group)."""
     device = rank_device()
     results = []
     for case, inputs in zip(cases, rank_data):
-        layer = build_layer(student, case, inputs["linears"], device)
+        layer = build_layer(student, case, inputs["linears"], device, group)
         parameters = dict(layer.named_parameters())
         optimizer = torch.optim.SGD(list(parameters.values()), lr=LEARNING_RATE)
         steps = []
@@ -229,11 +240,13 @@ def describe(case: dict) -> str:
             f"seed={case['seed']}, step {{step}} of {case['steps']}")
 
 
-def check_values(reference, case: dict, result: dict, rank: int) -> None:
+
+
+def check_values(reference, case: dict, result: dict, rank: int, group_index: int | None = None) -> None:
     world_size, kind = case["world_size"], case["kind"]
     expected_names = sorted(PARAMETERS[kind] if case["bias"] else
                             [n for n in PARAMETERS[kind] if not n.endswith("bias")])
-    where = f"rank {rank} of {world_size}, {describe(case)}"
+    where = f"{rank_name(rank, world_size, group_index)}, {describe(case)}"
     if result["parameters"] != expected_names:
         raise WrongAnswer(f"the layer's named_parameters() are {result['parameters']}, expected {expected_names} "
                           f"({where.format(step=1)})")
@@ -373,3 +386,73 @@ def test_invalid_arguments(ranks, world_size):
             subject, _, why = call.partition("): ")
             raise WrongAnswer(f"{subject}) on rank {rank} of {world_size} (N={world_size}) must raise ValueError: "
                               f"{why}; {got}")
+
+
+# --- two groups in a world of four --------------------------------------------------------------------------------
+
+
+
+
+def region_inputs(case: dict, group_size: int) -> list[dict[str, torch.Tensor]]:
+    """Each rank's input and upstream gradient for f and g, of the case's [batch, tokens, width]."""
+    shape = (case["batch"], case["tokens"], case["width"])
+    names = ("copy_input", "copy_upstream", "reduce_input", "reduce_upstream")
+    return [{name: integer_tensor(case["seed"] * 97 + len(names) * rank + offset, shape)
+             for offset, name in enumerate(names)} for rank in range(group_size)]
+
+
+def run_in_group(student, rank: int, world_size: int, cases: list[dict], rank_data: dict) -> dict:
+    """Runs in a rank process of a world split into groups of GROUP_SIZE: f and g called directly, then each case's
+    layers (run_layer), every one of them given this rank's group. `rank_data` holds this rank's inputs for the
+    regions (region_inputs) and for the layers (rank_inputs), drawn from its group's case."""
+    group = join_group(rank, world_size, GROUP_SIZE)
+    device = rank_device()
+    regions = {}
+    for name, function in (("copy", student.copy_to_tensor_parallel_region),
+                           ("reduce", student.reduce_from_tensor_parallel_region)):
+        x = rank_data["regions"][f"{name}_input"].to(device).requires_grad_(True)
+        output = function(x, group=group)
+        output.backward(rank_data["regions"][f"{name}_upstream"].to(device))
+        regions[name] = {"output": output.detach().cpu(), "input_grad": None if x.grad is None else x.grad.cpu()}
+    return {"regions": regions, "layers": layer_steps(student, cases, rank_data["layers"], group)}
+
+
+def check_regions(case: dict, results: list[dict], group_index: int) -> None:
+    """f is the identity forward and sums the group's upstream gradients backward; g sums the group's inputs forward
+    and passes the gradient through backward."""
+    inputs = region_inputs(case, GROUP_SIZE)
+    group_sum = lambda name: sum(own[name] for own in inputs)  # noqa: E731
+    f, g = "copy_to_tensor_parallel_region(x, group)", "reduce_from_tensor_parallel_region(x, group)"
+    for rank, result in enumerate(results):
+        context = (f"{rank_name(rank, GROUP_SIZE, group_index)}, x [{case['batch']}, {case['tokens']}, "
+                   f"{case['width']}] per rank, integer values")
+        copy, reduce = result["copy"], result["reduce"]
+        for got, expected, what in (
+            (copy["output"], inputs[rank]["copy_input"], f"{f} output (x itself)"),
+            (copy["input_grad"], group_sum("copy_upstream"),
+             f"{f} input gradient (the sum of the upstream gradients of this rank's group)"),
+            (reduce["output"], group_sum("reduce_input"), f"{g} output (the sum of x over this rank's group)"),
+            (reduce["input_grad"], inputs[rank]["reduce_upstream"], f"{g} input gradient (the upstream gradient)"),
+        ):
+            if got is None:
+                raise WrongAnswer(f"{what}: no gradient reached x ({context})")
+            assert_equal(got, expected, what=what, context=context)
+
+
+@pytest.mark.parametrize("world_size", [4])
+@examples(PROBLEM, shrink=False)
+@given(data=st.data())
+def test_process_group(ranks, reference, world_size, data):
+    """Two independent groups of two ranks, {0, 1} and {2, 3}, each with its own weights and data, run f, g and every
+    layer over their own group: a collective over the default group mixes the two groups' numbers."""
+    cases = [data.draw(cases_strategy(kind, GROUP_SIZE, 1)) for kind in KINDS]
+    per_case = [inputs_by_group(case, world_size, GROUP_SIZE, lambda own, _: rank_inputs(own)) for case in cases]
+    regions = inputs_by_group(cases[0], world_size, GROUP_SIZE, region_inputs)
+    results = ranks.run(run_in_group, world_size, [without_seeds(case) for case in cases],
+                        rank_data=[{"regions": regions[rank], "layers": [inputs[rank] for inputs in per_case]}
+                                   for rank in range(world_size)])
+    for index, group_results in results_by_group(results, GROUP_SIZE):
+        check_regions(group_case(cases[0], index), [result["regions"] for result in group_results], index)
+        for position, case in enumerate(cases):
+            for rank, result in enumerate(group_results):
+                check_values(reference, group_case(case, index), result["layers"][position], rank, index)

@@ -3,7 +3,8 @@
 The program `train_on_rank` runs inside each rank process with the student's ZeRO2, on its own inputs only (its
 initial weights and its rows of the batch, built here): no rank can rebuild another's. The gradients each rank holds
 after synchronisation, its weights after every step and its collectives come back here, and are compared with
-single-process training by the unsharded optimizer on the full batch and with the pinned partition.
+single-process training by the unsharded optimizer on the full batch and with the pinned partition. In
+test_process_group the world splits into groups (grader.distributed.subgroups), each training its own case.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from grader.compare import assert_close, largest_magnitude
 from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.rank import rank_device
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.outcomes import WrongAnswer
 from grader.parallel_models import TiedMLP, check_module_kept, shard_mean_loss, tied_mlp_from_state
 from grader.strategies import data_seeds
@@ -24,6 +26,9 @@ from grader.profiles import examples
 
 PROBLEM = BY_ID["parallel.zero2"]
 STEPS = 3
+# Rank r of a case starts from the weights of seed + r * RANK_SEED_STRIDE: far from subgroups.SEED_STRIDE, so that no
+# rank of one group starts from the weights of a rank of another.
+RANK_SEED_STRIDE = 101
 OPTIMIZERS = {
     "sgd_momentum": (torch.optim.SGD, {"lr": 0.1, "momentum": 0.9}),
     "adamw": (torch.optim.AdamW, {"lr": 0.01, "weight_decay": 0.1}),
@@ -51,22 +56,28 @@ def rank_inputs(config: dict, world_size: int) -> list[dict]:
     """Each rank's own inputs, built in the grader's process: its initial weights and its rows of the batch. Each rank
     starts from different weights: only the broadcast at construction can make them agree."""
     x, y = make_batch(config, world_size)
-    states = [plain_state(make_model(config["seed"] + 7919 * rank, config)) for rank in range(world_size)]
+    states = [plain_state(make_model(config["seed"] + RANK_SEED_STRIDE * rank, config)) for rank in range(world_size)]
     return row_shards(x, y, config["rows_per_rank"], states)
 
 
 def run_training(ranks, world_size: int, config: dict) -> list[dict]:
-    """train_on_rank on every rank, each given only its own inputs."""
-    return ranks.run(train_on_rank, world_size, without_seeds(config), rank_data=rank_inputs(config, world_size))
+    """train_on_rank on every rank, each given only its own inputs (with config["group_size"], its group's)."""
+    group_size = config.get("group_size") or world_size
+    return ranks.run(train_on_rank, world_size, without_seeds(config),
+                     rank_data=inputs_by_group(config, world_size, group_size, rank_inputs))
 
 
 def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: dict) -> dict:
-    """Runs in a rank process: the student's ZeRO2 on this rank's rank_data (rank_inputs), every step recorded."""
+    """Runs in a rank process: the student's ZeRO2 on this rank's rank_data (rank_inputs), every step recorded. With
+    config["group_size"], the ranks form consecutive groups of that size, each an independent run (its own weights
+    and data) with its own ZeRO2 over its group."""
     device = rank_device()
+    group_size = config.get("group_size") or world_size
+    group = join_group(rank, world_size, group_size) if group_size < world_size else None
     model = tied_mlp_from_state(rank_data["state"]).to(device)
     x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
-    zero = student.ZeRO2(model, optimizer_cls, **kwargs)
+    zero = student.ZeRO2(model, optimizer_cls, group=group, **kwargs)
     grads, weights, steps_calls = [], [], []
     for _ in range(STEPS):
         recorder.reset()
@@ -130,24 +141,25 @@ configs = st.fixed_dictionaries({
 })
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
-def test_matches_single_process(ranks, world_size, config):
-    results = run_training(ranks, world_size, config)
-    exact = train_unsharded(config, world_size, torch.float64)
-    at_fp32 = [train_unsharded(config, world_size, torch.float32, shards) for shards in (1, world_size)]
-    owners = pinned_owners(config, world_size)
+
+
+def check_training(results: list[dict], config: dict, ranks: int, group: int | None = None) -> None:
+    """The owners' gradients after every synchronisation and every rank's weights after every step against
+    single-process training of `config` on the full batch of `ranks` ranks (those of `group`, if given)."""
+    exact = train_unsharded(config, ranks, torch.float64)
+    at_fp32 = [train_unsharded(config, ranks, torch.float32, shards) for shards in (1, ranks)]
+    owners = pinned_owners(config, ranks)
     tolerance = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
+    owner_scope = "" if group is None else " of its group"
     for rank, result in enumerate(results):
-        context = f"rank {rank} of {world_size}, {config}"
+        context = f"{rank_name(rank, ranks, group)}, {config}"
         for step in range(STEPS):
             for index, name in enumerate(PARAMETER_NAMES):
                 if owners[index] != rank:
                     continue
                 grad = result["grads"][step][index]
                 if grad is None:
-                    raise WrongAnswer(f"the gradient of {name} is None on rank {rank}, its owner, after "
+                    raise WrongAnswer(f"the gradient of {name} is None on its owner after "
                                       f"finish_gradient_synchronization() in step {step + 1} ({context})")
                 assert_close(grad, exact["grads"][step][index],
                              tuple(run["grads"][step][index] for run in at_fp32),
@@ -156,8 +168,15 @@ def test_matches_single_process(ranks, world_size, config):
             for index, name in enumerate(PARAMETER_NAMES):
                 assert_close(result["weights"][step][index], exact["weights"][step][index],
                              tuple(run["weights"][step][index] for run in at_fp32),
-                             what=f"{name} (owned by rank {owners[index]}) after step {step + 1}", context=context,
-                             scale=largest_magnitude(exact["weights"][step]), **tolerance)
+                             what=f"{name} (owned by rank {owners[index]}{owner_scope}) after step {step + 1}",
+                             context=context, scale=largest_magnitude(exact["weights"][step]), **tolerance)
+
+
+@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_matches_single_process(ranks, world_size, config):
+    check_training(run_training(ranks, world_size, config), config, world_size)
 
 
 @pytest.mark.parametrize("world_size", [2])
@@ -212,3 +231,16 @@ def test_collective_pattern(ranks, world_size, config):
             if any(c[4] == "backward" for c in reduces):
                 raise WrongAnswer(f"{where}: reduces were waited on during backward, so they did not overlap the "
                                   "rest of it; leave each in flight and wait in finish_gradient_synchronization()")
+
+
+@pytest.mark.parametrize("world_size", [4])
+@examples(PROBLEM, shrink=False)
+@given(config=configs)
+def test_process_group(ranks, world_size, config):
+    """Two independent pairs of ranks, {0, 1} and {2, 3}, each with its own weights, data and ZeRO2 over its own
+    group: a ZeRO2 that broadcasts or reduces over the default group mixes the pairs' weights and gradients, and one
+    that names a source or destination by its rank in the group, not its global rank, names a rank outside the pair
+    {2, 3}."""
+    config = {**config, "group_size": 2}
+    for index, results in results_by_group(run_training(ranks, world_size, config), 2):
+        check_training(results, group_case(config, index), 2, group=index)

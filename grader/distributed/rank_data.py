@@ -28,3 +28,9 @@ def row_shards(x: torch.Tensor, y: torch.Tensor, rows_per_rank: int, states: lis
         rows = slice(first, first + rows_per_rank)
         shards.append({"x": x[rows].clone(), "y": y[rows].clone(), "state": state})
     return shards
+
+
+def integer_tensor(seed: int, shape: tuple[int, ...]) -> torch.Tensor:
+    """Small integers as float32: every sum of a few of them is exact, whatever the order."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(-8, 9, shape, generator=generator).float()

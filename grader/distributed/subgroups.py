@@ -12,7 +12,10 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-SEED_STRIDE = 7919  # group g's seed is the drawn seed + g * SEED_STRIDE: far from any seed offset a grader adds
+from grader.outcomes import StudentAbort, StudentCrashed, StudentError, StudentTimedOut
+
+# Group g's seed is the drawn seed + g * SEED_STRIDE: far from the per-rank seed offsets graders add (rank * 101).
+SEED_STRIDE = 1_000_003
 
 
 def join_group(rank: int, world_size: int, group_size: int) -> dist.ProcessGroup:
@@ -39,3 +42,18 @@ def inputs_by_group(config: dict, world_size: int, group_size: int,
 def results_by_group(results: Sequence, group_size: int) -> list[tuple[int, Sequence]]:
     """(group index, its ranks' results) for each group of the world, in rank order."""
     return [(start // group_size, results[start:start + group_size]) for start in range(0, len(results), group_size)]
+
+
+def rank_name(rank: int, ranks: int, group_index: int | None = None) -> str:
+    """How a message names rank `rank` of `ranks`; with `group_index`, of that group of consecutive ranks."""
+    if group_index is None:
+        return f"rank {rank} of {ranks}"
+    return f"rank {rank} of {ranks} in group {group_index} (global rank {group_index * ranks + rank})"
+
+
+def with_setup(error: StudentError | StudentCrashed | StudentTimedOut, setup: str) -> StudentError | StudentAbort:
+    """The same failure, its message prefixed with how the groups were set up: the ranks' own message counts the
+    whole world's ranks, not the groups'."""
+    if isinstance(error, StudentError):
+        return StudentError(f"{setup}: {error}", error.type_names, error.raised)
+    return type(error)(f"{setup}: {error.message}")

@@ -21,8 +21,8 @@ class FSDP(torch.nn.Module):
         children), or if one Parameter is reachable under two names (tied weights are not supported: check
         `module.named_parameters(remove_duplicate=False)`), naming the offending parameter.
       * A unit's flat parameter is the concatenation of `p.reshape(-1)` over its parameters with requires_grad=True,
-        in `unit.named_parameters()` order, padded with zeros to a multiple of W elements. Rank r's shard is
-        elements [r * S, (r + 1) * S) of it, S = padded length / W.
+        in `unit.named_parameters()` order, padded with zeros to a multiple of W elements. Rank r's shard (r =
+        `dist.get_rank(group)`, not the global rank) is elements [r * S, (r + 1) * S) of it, S = padded length / W.
       * Parameters with requires_grad=False are not sharded: they stay in the module as they are, on every rank, and
         take part in no communication. (The grader does not combine them with `compute_dtype`.)
 
@@ -41,9 +41,10 @@ class FSDP(torch.nn.Module):
       * Backward: before the unit's backward, all-gather its flat parameter again (one per unit) into storage that
         autograd's saved views see; once the unit's gradients are complete, free it, and reduce-scatter the unit's
         full flat gradient (one reduce_scatter_tensor or reduce_scatter per unit, issued during backward) so that
-        each rank gets its shard of the sum over ranks, then divide by W: the shard's `.grad` (float32, S elements,
-        accumulated into an existing `.grad` as autograd would) is the average over ranks, exactly the full-batch
-        gradient. Padding elements get gradient zero. When `loss.backward()` returns every shard's `.grad` is final.
+        each rank gets its shard of the sum over the group's ranks, then divide by W: the shard's `.grad` (float32, S
+        elements, accumulated into an existing `.grad` as autograd would) is the average over ranks, exactly the
+        full-batch gradient. Padding elements get gradient zero. When `loss.backward()` returns every shard's
+        `.grad` is final.
       * No other collective is issued during forward and backward (no all_reduce). At most two units' parameters
         are gathered at any moment: the grader measures each rank's peak tensor bytes during a step and allows
         4 x (the largest unit's gathered bytes) + twice the activations' bytes above what the rank held before it.

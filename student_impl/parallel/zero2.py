@@ -26,10 +26,12 @@ class ZeRO2(torch.nn.Module):
         zero.zero_grad()
 
     Contract:
-      * Construction broadcasts every parameter and buffer of `module` from rank 0 of the group, in place.
+      * Construction broadcasts every parameter and buffer of `module` from rank 0 of the group (global rank
+        `dist.get_global_rank(group, 0)`), in place.
       * Partition (pinned), over the parameters of `module.parameters()` that require grad (a tied parameter appears
         once there; frozen ones are left out): whole parameters; in that order, each goes to the rank of the group
-        holding the fewest elements (`numel()`) so far; on a tie, the lowest rank. That rank is its owner.
+        (numbered by `dist.get_rank(group)`, 0 to the group's size - 1) holding the fewest elements (`numel()`) so
+        far; on a tie, the lowest rank. That rank is its owner.
       * `self.optimizer` is `optimizer_cls(owned, **optimizer_kwargs)` over this rank's owned parameters only (in
         partition order); a rank that owns nothing builds it over a placeholder tensor that never gets a gradient.
       * During backward, from `Tensor.register_post_accumulate_grad_hook` hooks, each parameter's gradient is sent
@@ -37,9 +39,9 @@ class ZeRO2(torch.nn.Module):
         moment it is final. No all-reduce: only the owner ever holds the summed gradient. Do not block inside a
         hook (no wait on the handle there).
       * `finish_gradient_synchronization()` waits for every reduce. When it returns, on each rank `param.grad` is
-        the average over ranks of the local gradients (sum, then divide by the world size) for every parameter the
-        rank owns, and None for every other parameter (frozen ones included): a rank holds only its shard of the
-        gradients.
+        the average over the group's ranks of their local gradients (sum, then divide by the group's size) for every
+        parameter the rank owns, and None for every other parameter (frozen ones included): a rank holds only its
+        shard of the gradients.
       * `step()` steps `self.optimizer`, then every rank receives every updated parameter from its owner, so all
         ranks hold the parameters the unsharded optimizer would have produced from the full-batch gradient.
       * `zero_grad()` sets the gradients of the owned parameters to None.
