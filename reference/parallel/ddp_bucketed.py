@@ -12,12 +12,14 @@ BYTES_PER_MB = 2**20
 
 def _bucket_partition(module: torch.nn.Module, bucket_size_mb: float) -> list[list[torch.nn.Parameter]]:
     """The pinned buckets: trainable parameters in reverse order of `module.parameters()`, each bucket closed when the
-    next parameter would take it past `bucket_size_mb` MB; a parameter larger than that fills a bucket alone."""
+    next parameter would take it past `bucket_size_mb` MB or has another dtype; a parameter larger than the limit
+    fills a bucket alone."""
     limit_bytes = bucket_size_mb * BYTES_PER_MB
     buckets, current, current_bytes = [], [], 0
     for param in reversed([p for p in module.parameters() if p.requires_grad]):
         size = param.numel() * param.element_size()
-        if current and current_bytes + size > limit_bytes:
+        # A bucket travels as one flat tensor, so it holds one dtype: a parameter of another closes it as if full.
+        if current and (param.dtype != current[0].dtype or current_bytes + size > limit_bytes):
             buckets.append(current)
             current, current_bytes = [], 0
         current.append(param)

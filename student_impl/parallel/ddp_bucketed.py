@@ -32,7 +32,9 @@ class BucketedDDP(torch.nn.Module):
         gradients. Walk them, adding each to the current bucket; when the current bucket is non-empty and adding the
         next parameter would take its size past `bucket_size_mb * 2**20` bytes, close it and start a new bucket with
         that parameter. A parameter's size is `numel() * element_size()` bytes. So a parameter larger than the limit
-        gets a bucket of its own, and a limit larger than the whole model gives one bucket.
+        gets a bucket of its own, and a limit larger than the whole model gives one bucket. A bucket holds parameters
+        of one dtype only: when the next parameter's dtype differs from the current bucket's, the current bucket
+        closes (as if full) and that parameter starts a new one, so no gradient is cast to join a bucket.
       * Per backward, exactly one all-reduce per bucket, of one tensor holding the bucket's gradients concatenated
         (its size in bytes is the sum of the bucket's parameter sizes), issued with `async_op=True` during backward
         from `Tensor.register_post_accumulate_grad_hook` hooks, at the moment the last gradient of the bucket
