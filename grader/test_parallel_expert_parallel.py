@@ -19,6 +19,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close
 from grader.distributed import recorder
 from grader.distributed.rank import rank_device
+from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
 from grader.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
 from grader.strategies import data_seeds
@@ -229,6 +230,34 @@ def test_uses_all_to_all(ranks, world_size, data):
                                   f"{ops}); dispatch and combine tokens with all_to_all_single ({config})")
 
 
+def call_invalid(student, rank: int, world_size: int) -> dict:
+    """Runs in a rank process: the layer with experts that do not split over the ranks, and with w_in or w_out (one of
+    them alone) holding another number of experts than E/N."""
+    n, width, hidden = world_size, 4, 3
+    x_TD, gate_TK = torch.ones(2, width), torch.ones(2, 1)
+    index_TK = torch.zeros(2, 1, dtype=torch.int64)
+
+    def layer(w_in_experts: int, w_out_experts: int, num_experts: int):
+        return lambda: student.expert_parallel_moe(x_TD, index_TK, gate_TK, torch.ones(w_in_experts, width, hidden),
+                                                   torch.ones(w_out_experts, hidden, width), num_experts)
+
+    return raised_by({
+        "expert_parallel_moe(num_experts=2N+1): the experts do not split evenly over the N ranks":
+            layer(2, 2, 2 * n + 1),
+        "expert_parallel_moe(w_in_EDH of 3 experts, w_out_EHD of 2, num_experts=2N): w_in does not hold E/N experts":
+            layer(3, 2, 2 * n),
+        "expert_parallel_moe(w_in_EDH of 2 experts, w_out_EHD of 3, num_experts=2N): w_out does not hold E/N experts":
+            layer(2, 3, 2 * n),
+    })
+
+
+@pytest.mark.parametrize("world_size", [2])
+def test_invalid_arguments(ranks, world_size):
+    for rank, raised in enumerate(ranks.run(call_invalid, world_size)):
+        for call, got in not_raising(raised, "ValueError"):
+            subject, _, why = call.partition("): ")
+            raise WrongAnswer(f"{subject}) on rank {rank} of {world_size} (N={world_size}) must raise ValueError: "
+                              f"{why}; {got}")
 
 
 GROUPS_SETUP = "4 ranks in two groups, {0, 1} and {2, 3}, each calling expert_parallel_moe with its own group"

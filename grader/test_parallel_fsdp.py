@@ -231,8 +231,6 @@ def train_single_process(config: dict, world_size: int, dtype: torch.dtype, shar
 # --- checks -------------------------------------------------------------------------------------------------------
 
 
-
-
 def check_shard(actual, exact: torch.Tensor, at_dtype, what: str, context: str,
                 multiple: float = PROBLEM.error_multiple, scale: float | None = None) -> None:
     if actual is None:

@@ -345,8 +345,6 @@ def test_invalid_arguments(ranks, world_size):
                               f"before sending anything; {got}")
 
 
-
-
 @pytest.mark.parametrize("world_size", [4])
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())

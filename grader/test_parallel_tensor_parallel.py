@@ -240,8 +240,6 @@ def describe(case: dict) -> str:
             f"seed={case['seed']}, step {{step}} of {case['steps']}")
 
 
-
-
 def check_values(reference, case: dict, result: dict, rank: int, group_index: int | None = None) -> None:
     world_size, kind = case["world_size"], case["kind"]
     expected_names = sorted(PARAMETERS[kind] if case["bias"] else
@@ -389,8 +387,6 @@ def test_invalid_arguments(ranks, world_size):
 
 
 # --- two groups in a world of four --------------------------------------------------------------------------------
-
-
 
 
 def region_inputs(case: dict, group_size: int) -> list[dict[str, torch.Tensor]]:

@@ -141,8 +141,6 @@ configs = st.fixed_dictionaries({
 })
 
 
-
-
 def check_training(results: list[dict], config: dict, ranks: int, group: int | None = None) -> None:
     """The owners' gradients after every synchronisation and every rank's weights after every step against
     single-process training of `config` on the full batch of `ranks` ranks (those of `group`, if given)."""
