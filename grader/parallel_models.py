@@ -50,8 +50,11 @@ def shard_mean_loss(model: torch.nn.Module, x: torch.Tensor, y: torch.Tensor, sh
     """The full batch's mean squared error as the mean of `shards` equal row shards' errors. Equal in exact
     arithmetic for any `shards`; shards=world_size rounds as data-parallel ranks do, which makes its fp32 run a second
     legitimate yardstick beside the full batch's (shards=1)."""
-    return sum(torch.nn.functional.mse_loss(model(x_shard), y_shard)
-               for x_shard, y_shard in zip(x.chunk(shards), y.chunk(shards))) / shards
+    outputs = [model(x_shard) for x_shard in x.chunk(shards)]
+    # Targets in the output's dtype: a float64 last layer's output meets float32 targets in bucketed DDP's mixed
+    # model, which torch 2.11's mse_loss backward refuses.
+    return sum(torch.nn.functional.mse_loss(output, y_shard.to(output.dtype))
+               for output, y_shard in zip(outputs, y.chunk(shards))) / shards
 
 
 def check_module_kept(results: list[dict], wrapper: str) -> None:

@@ -166,7 +166,10 @@ def train_on_rank(student, rank: int, world_size: int, shape: dict, rank_data: d
     MARKS.clear()
     for _ in range(STEPS):
         recorder.reset()
-        loss = torch.nn.functional.mse_loss(ddp(x_shard), y_shard)
+        output = ddp(x_shard)
+        # In the targets' dtype a float64 last layer's output would meet float32 targets, which torch 2.11's
+        # mse_loss backward refuses; the promotion is what newer versions do anyway.
+        loss = torch.nn.functional.mse_loss(output, y_shard.to(output.dtype))
         with recorder.phase("backward"):
             loss.backward()
         with recorder.phase("finish"):
