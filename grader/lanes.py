@@ -3,7 +3,8 @@
 One grading process keeps one GPU busy only part of the time: its workers start, compile and wait for the grader's
 own reference work. On a many-core GPU host, N lanes of whole problems run side by side and the wall time falls
 towards that of the slowest lane. Problems are dealt to lanes longest first, each to the lane with the least work so
-far (work: tests times the profile's examples per test).
+far. Work is each problem's time in the last run in lanes on this machine with the same profile and device (kept in
+TIMES_FILE), or, while some selected problem has none, its tests times the profile's examples per test.
 
 The grading process that was started (the parent) collects the tests, then runs no test itself. Each lane is a child
 `pytest` over the node ids of its problems, with the parent's grader options; it has its own sandboxes, workers and
@@ -17,6 +18,7 @@ lanes are not affected.
 
 from __future__ import annotations
 
+import json
 import os
 import pickle
 import shutil
@@ -34,6 +36,7 @@ from grader.scoring import TestResult
 POLL_S = 0.5
 LOG_TAIL_CHARACTERS = 2000
 # Grader options a lane takes from the parent (their values as parsed, not as typed).
+TIMES_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpu-systems-grader" / "seconds.json"
 PASSED_OPTIONS = ("--reference", "--profile", "--launcher", "--timeout-scale", "--world-sizes", "--isolation")
 
 
@@ -46,6 +49,27 @@ def deal(work_by_problem: dict[str, float], lanes: int) -> list[list[str]]:
         dealt[lane].append(problem_id)
         load[lane] += work_by_problem[problem_id]
     return dealt
+
+
+def known_seconds(key: str) -> dict[str, float]:
+    """Each problem's seconds in the last run in lanes under `key` (profile and device type); {} if none."""
+    try:
+        return json.loads(TIMES_FILE.read_text()).get(key, {})
+    except (OSError, ValueError, AttributeError):
+        return {}
+
+
+def remember_seconds(key: str, seconds: dict[str, float]) -> None:
+    """Keep these problems' seconds for the next run's dealing; a machine where nothing can be kept deals by tests."""
+    try:
+        kept = json.loads(TIMES_FILE.read_text()) if TIMES_FILE.exists() else {}
+        kept.setdefault(key, {}).update({problem_id: round(s, 1) for problem_id, s in seconds.items()})
+        TIMES_FILE.parent.mkdir(parents=True, exist_ok=True)
+        partial = TIMES_FILE.with_suffix(f".{os.getpid()}.partial")
+        partial.write_text(json.dumps(kept, indent=1, sort_keys=True))
+        partial.replace(TIMES_FILE)
+    except (OSError, ValueError, AttributeError):
+        pass
 
 
 def append_record(path: Path, record: tuple) -> None:
@@ -119,9 +143,11 @@ def lane_environment(profile: str, secret_seed: int | None) -> dict[str, str]:
     return environment
 
 
-def run(session: pytest.Session, lanes: int, impl: Path, secret_seed: int | None, on_record) -> dict[str, list]:
-    """Grade session.items in lanes; `on_record(record)` sees every record as it arrives. Returns the node ids each
-    lane left without a result, with the end of its output: {log tail: [node ids]}."""
+def run(session: pytest.Session, lanes: int, impl: Path, secret_seed: int | None, on_record,
+        seconds: dict[str, float]) -> dict[str, list]:
+    """Grade session.items in lanes, dealt by `seconds` where it knows every problem; `on_record(record)` sees every
+    record as it arrives. Returns the node ids each lane left without a result, with the end of its output:
+    {log tail: [node ids]}."""
     from grader.plugin import problem_of
 
     nodeids_by_problem: dict[str, list[str]] = {}
@@ -130,6 +156,8 @@ def run(session: pytest.Session, lanes: int, impl: Path, secret_seed: int | None
         problem: Problem = problem_of(item)
         nodeids_by_problem.setdefault(problem.id, []).append(item.nodeid)
         work[problem.id] = work.get(problem.id, 0.0) + problem.budgets[session.config.getoption("--profile")]
+    if set(work) <= set(seconds):
+        work = {problem_id: seconds[problem_id] for problem_id in work}
     folder = Path(tempfile.mkdtemp(prefix="grader-lanes-"))  # mode 0700: the parent's alone
     running = [Lane(index, problem_ids, [n for p in problem_ids for n in nodeids_by_problem[p]], folder)
                for index, problem_ids in enumerate(deal(work, lanes))]

@@ -98,8 +98,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--refuse-unisolated", action="store_true",
                     help="stop with a usage error where no sandbox (bwrap or uid) can be had: cluster grading jobs")
     group.addoption("--jobs", type=int, default=int(os.environ.get("GRADER_JOBS", "1")),
-                    help="grade the selected problems in this many concurrent processes, whole problems each (e.g. 3 on "
-                         "a GPU host with 16 cores; default 1: one after another; env GRADER_JOBS)")
+                    help="grade the selected problems in this many concurrent processes, whole problems each (e.g. "
+                         "4 on a GPU host with 16 cores; default 1: one after another; env GRADER_JOBS)")
     group.addoption("--lane-record", default=None,
                     help="(set by --jobs for the processes it starts: the file their results go to)")
     group.addoption("--results-nonce", default="",
@@ -458,8 +458,11 @@ def pytest_runtestloop(session: pytest.Session):
         return None
     context = current()
     seed = secret_seed() if context.profile == "grading" else None
+    times_key = f"{context.profile}/{context.device.type}"
     unrecorded = lanes.run(session, config.getoption("--jobs"), context.impl.path, seed,
-                           lambda record: take_lane_record(config, record))
+                           lambda record: take_lane_record(config, record), lanes.known_seconds(times_key))
+    lanes.remember_seconds(times_key, {problem_id: end - start
+                                       for problem_id, (start, end) in config.stash[PROBLEM_SPAN].items()})
     for log_tail, nodeids in unrecorded.items():
         for item in (item for item in session.items if item.nodeid in nodeids):
             problem = problem_of(item)

@@ -49,3 +49,15 @@ def test_lanes_grade_each_problem_as_one_process_would(tmp_path):
     table = run.output.split("= score =")[1]
     assert {"moe.accounting", "parallel.accounting", "moe.router"} <= set(table.split())
     assert "kernels.softmax" not in table
+
+
+def test_problem_times_are_kept_per_profile_and_device(tmp_path, monkeypatch):
+    monkeypatch.setattr(lanes, "TIMES_FILE", tmp_path / "cache" / "seconds.json")
+    assert lanes.known_seconds("public/cuda") == {}
+    lanes.remember_seconds("public/cuda", {"moe.router": 70.24, "kernels.matmul": 115.8})
+    lanes.remember_seconds("public/cuda", {"moe.router": 60.0})
+    lanes.remember_seconds("ci/cpu", {"moe.router": 9.0})
+    assert lanes.known_seconds("public/cuda") == {"moe.router": 60.0, "kernels.matmul": 115.8}
+    assert lanes.known_seconds("ci/cpu") == {"moe.router": 9.0}
+    lanes.TIMES_FILE.write_text("not json")
+    assert lanes.known_seconds("ci/cpu") == {}  # a damaged file deals by tests again
