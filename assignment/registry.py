@@ -555,7 +555,10 @@ PROBLEMS: tuple[Problem, ...] = (
         world_sizes=(2, 4),
         evidence={
             "matches_unsharded": "outside: every rank's weights after each step equal the grader's training",
-            "state_sharded": "in-process: optimizer state bytes the rank reports",
+            "state_sharded": (
+                "in-process: optimizer state bytes the rank reports, and the bytes its first step leaves alive (memory "
+                "probe)"
+            ),
             "process_group": "outside: each group's weights equal the grader's training",
         },
     ),

@@ -17,6 +17,7 @@ from hypothesis import example, given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close, largest_magnitude
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
+from grader.distributed.memory import MemoryProbe
 from grader.distributed.rank import rank_device
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group
 from grader.outcomes import WrongAnswer
@@ -33,6 +34,7 @@ OPTIMIZERS = {
 }
 
 
+CUDA_BLOCK_BYTES = 512
 PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias", "again.bias", "last.weight",
                    "last.bias")  # the order of model.parameters(); again.weight is middle.weight
 
@@ -68,6 +70,17 @@ def make_batch(config: dict, data_ranks: int, dtype: torch.dtype = torch.float32
     return x.to(dtype), y.to(dtype)
 
 
+def state_tensor_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[list[int]]:
+    """Bytes of each tensor in the optimizer's state, per parameter (in the order of `params`)."""
+    return [[v.numel() * v.element_size() for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
+            if p in optimizer.state else [] for p in params]
+
+
+def allocated_bytes(tensor_bytes: int, device: str) -> int:
+    """What a tensor of these bytes takes: CUDA's caching allocator hands out blocks of 512 bytes."""
+    return -(-tensor_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if device.startswith("cuda") else tensor_bytes
+
+
 def state_bytes_by_parameter(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[int]:
     """Bytes of the tensors in the optimizer's state, per parameter (in the order of `params`)."""
     return [sum(v.numel() * v.element_size() for v in optimizer.state[p].values() if isinstance(v, torch.Tensor))
@@ -94,21 +107,29 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
     # A one-pass iterator, as model.parameters() is: the contract says "an iterable".
     sharded = student.ShardedOptimizer(iter(given_parameters(model, config)), optimizer_cls, group, **kwargs)
     params = list(model.parameters())
-    weights, state_bytes, state_held = [], [], []
+    not_given = [p for p in params if not any(p is q for q in given_parameters(model, config))]
+    weights, state_bytes, state_held, new_bytes = [], [], [], []
     for _ in range(STEPS):
-        torch.nn.functional.mse_loss(model(x_shard), y_shard).backward()
-        for param in params:
-            if param.grad is not None:
-                dist.all_reduce(param.grad, group=group)
-                param.grad.div_(group_size)
-        sharded.step()
-        sharded.zero_grad()
+        # The probe counts what the step leaves alive, wherever it is kept: state made by the first step, whether the
+        # inner optimizer holds it or anything else does. It closes before the grader's own copies of the weights.
+        with MemoryProbe(device) as memory:
+            memory.start()
+            torch.nn.functional.mse_loss(model(x_shard), y_shard).backward()
+            for param in params:
+                if param.grad is not None:
+                    dist.all_reduce(param.grad, group=group)
+                    param.grad.div_(group_size)
+            sharded.step()
+            sharded.zero_grad()
+            for param in not_given:
+                param.grad = None  # the optimizer's zero_grad clears only its own parameters' gradients
+            new_bytes.append(memory.probe("after the step"))
         weights.append([p.detach().cpu().clone() for p in params])
         inner = sharded.optimizer
         state_bytes.append(sum(state_bytes_by_parameter(inner, list(inner.state))))
         state_held.append([p in inner.state for p in params])
     optimized = [p for param_group in sharded.optimizer.param_groups for p in param_group["params"]]
-    return {"weights": weights, "state_bytes": state_bytes, "state_held": state_held,
+    return {"weights": weights, "state_bytes": state_bytes, "state_held": state_held, "new_bytes": new_bytes,
             "optimized": [(p.numel(), str(p.device), p.dtype) for p in optimized],
             "parameter_place": (str(params[0].device), params[0].dtype)}
 
@@ -128,7 +149,8 @@ def train_unsharded(config: dict, data_ranks: int, dtype: torch.dtype, shards: i
         optimizer.step()
         optimizer.zero_grad()
         weights.append([p.detach().clone() for p in params])
-    return {"weights": weights, "state_bytes": state_bytes_by_parameter(optimizer, params)}
+    return {"weights": weights, "state_bytes": state_bytes_by_parameter(optimizer, params),
+            "state_tensors": state_tensor_bytes(optimizer, params)}
 
 
 def pinned_owners(config: dict, ranks: int) -> list[int]:
@@ -209,7 +231,8 @@ def test_matches_unsharded(ranks, world_size, config):
                  "last_weight_only": True, "float64": True})  # ranks that own nothing (the placeholder's rule)
 def test_state_sharded(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
-    unsharded = train_unsharded(config, world_size, case_dtype(config))["state_bytes"]
+    unsharded_run = train_unsharded(config, world_size, case_dtype(config))
+    unsharded = unsharded_run["state_bytes"]
     owners = pinned_owners(config, world_size)
     total = sum(unsharded)
     for rank, result in enumerate(results):
@@ -226,6 +249,21 @@ def test_state_sharded(ranks, world_size, config):
             )
         if rank not in owners:
             check_placeholder(result, f"rank {rank} of {world_size}, {config}")
+        check_state_kept(result, unsharded_run["state_tensors"], owners, rank, f"rank {rank} of {world_size}, {config}")
+
+
+def check_state_kept(result: dict, state_tensors: list[list[int]], owners: list, rank: int, context: str) -> None:
+    """Measured, not read from the attribute: the bytes the first step left alive on the rank (memory probe) are
+    nearer the state of its own parameters than the state of every parameter. In-process evidence."""
+    device = result["parameter_place"][0]
+    owned = sum(allocated_bytes(b, device) for tensors, owner in zip(state_tensors, owners) if owner == rank
+                for b in tensors)
+    every = sum(allocated_bytes(b, device) for tensors in state_tensors for b in tensors)
+    kept = result["new_bytes"][0]
+    if kept > (owned + every) / 2:
+        raise WrongAnswer(f"{context}: the first step left {kept} bytes of new tensors alive on this rank; the state "
+                          f"of its own parameters takes {owned}, of every parameter {every}: the rank keeps optimizer "
+                          f"state (or copies) for parameters it does not own")
 
 
 @pytest.mark.parametrize("world_size", [4])
