@@ -655,7 +655,10 @@ PROBLEMS: tuple[Problem, ...] = (
         world_sizes=(2, 4),
         evidence={
             "matches_single_process": "outside: owners' gradients need every rank's rows, weights need rank 0's",
-            "gradients_sharded": "in-process: which gradients the rank reports as None; `.module` is the model given",
+            "gradients_sharded": (
+                "in-process: which gradients the rank reports as None, and the bytes backward and the reduces leave "
+                "alive (memory probe); `.module` is the model given"
+            ),
             "collective_pattern": "in-process: recorded collectives, their phases and the phases of their waits",
             "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
         },

@@ -17,7 +17,7 @@ from hypothesis import example, given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close, largest_magnitude
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
-from grader.distributed.memory import MemoryProbe
+from grader.distributed.memory import MemoryProbe, allocated_bytes
 from grader.distributed.rank import rank_device
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group
 from grader.outcomes import WrongAnswer
@@ -34,7 +34,6 @@ OPTIMIZERS = {
 }
 
 
-CUDA_BLOCK_BYTES = 512
 PARAMETER_NAMES = ("first.weight", "first.bias", "middle.weight", "middle.bias", "again.bias", "last.weight",
                    "last.bias")  # the order of model.parameters(); again.weight is middle.weight
 
@@ -74,11 +73,6 @@ def state_tensor_bytes(optimizer: torch.optim.Optimizer, params: list[torch.Tens
     """Bytes of each tensor in the optimizer's state, per parameter (in the order of `params`)."""
     return [[v.numel() * v.element_size() for v in optimizer.state[p].values() if isinstance(v, torch.Tensor)]
             if p in optimizer.state else [] for p in params]
-
-
-def allocated_bytes(tensor_bytes: int, device: str) -> int:
-    """What a tensor of these bytes takes: CUDA's caching allocator hands out blocks of 512 bytes."""
-    return -(-tensor_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES if device.startswith("cuda") else tensor_bytes
 
 
 def state_bytes_by_parameter(optimizer: torch.optim.Optimizer, params: list[torch.Tensor]) -> list[int]:

@@ -9,6 +9,8 @@ test_process_group the world splits into groups (grader.distributed.subgroups), 
 
 from __future__ import annotations
 
+import gc
+
 import pytest
 import torch
 from hypothesis import given, strategies as st
@@ -17,6 +19,7 @@ from assignment.registry import BY_ID
 from grader.compare import assert_close, largest_magnitude
 from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
+from grader.distributed.memory import MemoryProbe, allocated_bytes
 from grader.distributed.rank import rank_device
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.outcomes import WrongAnswer
@@ -78,21 +81,31 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
     x_shard, y_shard = rank_data["x"].to(device), rank_data["y"].to(device)
     optimizer_cls, kwargs = OPTIMIZERS[config["optimizer"]]
     zero = student.ZeRO2(model, optimizer_cls, group=group, **kwargs)
-    grads, weights, steps_calls = [], [], []
+    grads, weights, steps_calls, new_bytes = [], [], [], []
     for _ in range(STEPS):
         recorder.reset()
-        loss = torch.nn.functional.mse_loss(zero(x_shard), y_shard)
-        with recorder.phase("backward"):
-            loss.backward()
-        with recorder.phase("finish"):
-            zero.finish_gradient_synchronization()
+        # The probe counts what backward and the reduces leave alive, wherever it is kept: the gradients the rank
+        # holds, or hidden copies of the others. Read before the grader's own copies of the gradients.
+        with MemoryProbe(device) as memory:
+            memory.start()
+            loss = torch.nn.functional.mse_loss(zero(x_shard), y_shard)
+            with recorder.phase("backward"):
+                loss.backward()
+            with recorder.phase("finish"):
+                zero.finish_gradient_synchronization()
+            calls = [(c.op, c.bytes, c.async_op, c.phase, c.waited) for c in recorder.CALLS]
+            recorder.release_handles()  # the recorder's own references to the reduces' tensors
+            gc.collect()  # and any cycle holding a freed gradient
+            new_bytes.append(memory.probe("after finish_gradient_synchronization()"))
         grads.append([None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()])
         with recorder.phase("step"):
             zero.step()
         zero.zero_grad()
         weights.append([p.detach().cpu().clone() for p in model.parameters()])
-        steps_calls.append([(c.op, c.bytes, c.async_op, c.phase, c.waited) for c in recorder.CALLS])
-    return {"grads": grads, "weights": weights, "calls": steps_calls,
+        steps_calls.append(calls + [(c.op, c.bytes, c.async_op, c.phase, c.waited)
+                                    for c in recorder.CALLS[len(calls):]])
+    return {"grads": grads, "weights": weights, "calls": steps_calls, "new_bytes": new_bytes,
+            "device": str(device),
             "module_kept": getattr(zero, "module", None) is model}
 
 
@@ -199,6 +212,22 @@ def test_gradients_sharded(ranks, world_size, config):
                     + (f": set the gradients of {extra}, which it does not own, to None" if extra else "")
                     + f" ({config})"
                 )
+        check_gradients_kept(result, sizes, owners, rank, f"rank {rank} of {world_size}, {config}")
+
+
+def check_gradients_kept(result: dict, sizes: list[int], owners: list, rank: int, context: str) -> None:
+    """Measured, not read from .grad: the bytes one step's backward and reduces leave alive on the rank (memory probe,
+    from the second step on, when every buffer a solution reuses exists) are nearer its own gradients than every
+    gradient. In-process evidence."""
+    device = result["device"]
+    owned = sum(allocated_bytes(size, device) for size, owner in zip(sizes, owners) if owner == rank)
+    every = sum(allocated_bytes(size, device) for size, owner in zip(sizes, owners) if owner is not None)
+    for step, kept in enumerate(result["new_bytes"][1:], start=2):
+        if kept > (owned + every) / 2:
+            raise WrongAnswer(f"{context}, step {step}: backward and finish_gradient_synchronization() left {kept} "
+                              f"bytes of new tensors alive on this rank; its own gradients take {owned}, every "
+                              f"gradient {every}: the rank keeps gradients (or copies) of parameters it does not own "
+                              f"(a communication handle kept after its wait keeps its tensor alive too)")
 
 
 @pytest.mark.parametrize("world_size", [2])

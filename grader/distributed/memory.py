@@ -27,6 +27,16 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
 
+CUDA_BLOCK_BYTES = 512  # the caching allocator hands out blocks of this many bytes at least
+
+
+def allocated_bytes(tensor_bytes: int, device: str) -> int:
+    """What a tensor of these bytes adds to what a probe on `device` measures: CUDA rounds up to whole blocks."""
+    if device.startswith("cuda"):
+        return -(-tensor_bytes // CUDA_BLOCK_BYTES) * CUDA_BLOCK_BYTES
+    return tensor_bytes
+
+
 def _storages(values) -> list[torch.UntypedStorage]:
     found = []
     for value in tree_flatten(values)[0]:
