@@ -35,8 +35,8 @@ from grader.scoring import TestResult
 
 POLL_S = 0.5
 LOG_TAIL_CHARACTERS = 2000
-# Grader options a lane takes from the parent (their values as parsed, not as typed).
 TIMES_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpu-systems-grader" / "seconds.json"
+# Grader options a lane takes from the parent (their values as parsed, not as typed).
 PASSED_OPTIONS = ("--reference", "--profile", "--launcher", "--timeout-scale", "--world-sizes", "--isolation")
 
 
@@ -104,10 +104,8 @@ class RecordReader:
 
 
 class Lane:
-    def __init__(self, index: int, problem_ids: list[str], nodeids: list[str], folder: Path):
-        self.index = index
-        self.problem_ids = problem_ids
-        self.nodeids = nodeids
+    def __init__(self, index: int, nodeids: list[str], folder: Path):
+        self.nodeids = nodeids  # those without a result yet
         self.record = folder / f"lane{index}.records"
         self.log = folder / f"lane{index}.log"
         self.reader = RecordReader(self.record)
@@ -159,7 +157,7 @@ def run(session: pytest.Session, lanes: int, impl: Path, secret_seed: int | None
     if set(work) <= set(seconds):
         work = {problem_id: seconds[problem_id] for problem_id in work}
     folder = Path(tempfile.mkdtemp(prefix="grader-lanes-"))  # mode 0700: the parent's alone
-    running = [Lane(index, problem_ids, [n for p in problem_ids for n in nodeids_by_problem[p]], folder)
+    running = [Lane(index, [n for p in problem_ids for n in nodeids_by_problem[p]], folder)
                for index, problem_ids in enumerate(deal(work, lanes))]
     environment = lane_environment(session.config.getoption("--profile"), secret_seed)
     unrecorded: dict[str, list] = {}
@@ -186,7 +184,8 @@ def run(session: pytest.Session, lanes: int, impl: Path, secret_seed: int | None
     return unrecorded
 
 
-def lost_result(nodeid: str, problem: Problem, group: str, share: float, log_tail: str) -> TestResult:
-    return TestResult(nodeid, problem, group, share, status="grader error",
+def lost_result(nodeid: str, problem: Problem, group: str, log_tail: str) -> TestResult:
+    """A test its lane ended without grading; its share is set where its group's size is known (the parent)."""
+    return TestResult(nodeid, problem, group, 0.0, status="grader error",
                       message=f"its lane of grading ended before this test had a result; the lane's output ended "
                               f"with:\n{log_tail}")

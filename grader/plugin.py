@@ -403,7 +403,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         item.config.stash[PROBLEM_SPAN][problem.id][1] = time.monotonic()
     if problem is None or (report.when != "call" and report.passed) or report.when == "teardown":
         return
-    result = TestResult(item.nodeid, problem, group_of(item), test_share(item.config, problem, item),
+    result = TestResult(item.nodeid, problem, group_of(item), test_share(item.config, problem, group_of(item)),
                         duration_s=report.duration)
     if report.passed and PARTIAL in item.stash:
         result.fraction, result.message = item.stash[PARTIAL]
@@ -466,8 +466,7 @@ def pytest_runtestloop(session: pytest.Session):
     for log_tail, nodeids in unrecorded.items():
         for item in (item for item in session.items if item.nodeid in nodeids):
             problem = problem_of(item)
-            result = lanes.lost_result(item.nodeid, problem, group_of(item), test_share(config, problem, item),
-                                       log_tail)
+            result = lanes.lost_result(item.nodeid, problem, group_of(item), log_tail)
             take_lane_record(config, ("result", result, None))
     results = config.stash[RESULTS]  # in collection order, as one process lists them
     config.stash[RESULTS] = {item.nodeid: results[item.nodeid] for item in session.items if item.nodeid in results}
@@ -476,9 +475,9 @@ def pytest_runtestloop(session: pytest.Session):
     return True
 
 
-def test_share(config: pytest.Config, problem: Problem, item: pytest.Item) -> float:
-    """The points one test is worth: its group's points over the number of the group's tests collected here."""
-    return problem.points[group_of(item)] / config.stash[GROUP_SIZES][(problem.id, group_of(item))]
+def test_share(config: pytest.Config, problem: Problem, group: str) -> float:
+    """The points one test of `group` is worth: the group's points over the number of its tests collected here."""
+    return problem.points[group] / config.stash[GROUP_SIZES][(problem.id, group)]
 
 
 def take_lane_record(config: pytest.Config, record: tuple) -> None:
@@ -490,7 +489,7 @@ def take_lane_record(config: pytest.Config, record: tuple) -> None:
         return
     _, result, span = record
     # The lane collected only the selected tests; the share counts the tests of the group collected here.
-    result.share = result.problem.points[result.group] / config.stash[GROUP_SIZES][(result.problem.id, result.group)]
+    result.share = test_share(config, result.problem, result.group)
     config.stash[RESULTS][result.nodeid] = result
     if span is not None:
         config.stash[PROBLEM_SPAN][result.problem.id] = span
