@@ -4,7 +4,8 @@ One grading process keeps one GPU busy only part of the time: its workers start,
 own reference work. On a many-core GPU host, N lanes of whole problems run side by side and the wall time falls
 towards that of the slowest lane. Problems are dealt to lanes longest first, each to the lane with the least work so
 far. Work is each problem's time in the last run in lanes on this machine with the same profile and device (kept in
-TIMES_FILE), or, while some selected problem has none, its tests times the profile's examples per test.
+TIMES_FILE; before the first run on a GPU host, the times recorded with the project), or, while some selected problem
+has none, its tests times the profile's examples per test.
 
 The grading process that was started (the parent) collects the tests, then runs no test itself. Each lane is a child
 `pytest` over the node ids of its problems, with the parent's grader options; it has its own sandboxes, workers and
@@ -36,6 +37,7 @@ from grader.scoring import TestResult
 POLL_S = 0.5
 LOG_TAIL_CHARACTERS = 2000
 TIMES_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "gpu-systems-grader" / "seconds.json"
+SHIPPED_TIMES_FILE = Path(__file__).with_name("lane_seconds.json")
 # Grader options a lane takes from the parent (their values as parsed, not as typed).
 PASSED_OPTIONS = ("--reference", "--profile", "--launcher", "--timeout-scale", "--world-sizes", "--isolation")
 
@@ -52,11 +54,16 @@ def deal(work_by_problem: dict[str, float], lanes: int) -> list[list[str]]:
 
 
 def known_seconds(key: str) -> dict[str, float]:
-    """Each problem's seconds in the last run in lanes under `key` (profile and device type); {} if none."""
-    try:
-        return json.loads(TIMES_FILE.read_text()).get(key, {})
-    except (OSError, ValueError, AttributeError):
-        return {}
+    """Each problem's seconds in the last run in lanes under `key` (profile and device type) on this machine, over
+    those recorded with the project (SHIPPED_TIMES_FILE: the reference on one H200, 16 cores, in four lanes), so that
+    a first run on a GPU host is dealt by time too; {} if neither knows the key."""
+    known = {}
+    for path in (SHIPPED_TIMES_FILE, TIMES_FILE):
+        try:
+            known.update(json.loads(path.read_text()).get(key, {}))
+        except (OSError, ValueError, AttributeError):
+            pass
+    return known
 
 
 def remember_seconds(key: str, seconds: dict[str, float]) -> None:

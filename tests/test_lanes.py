@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import shutil
 
+from assignment.registry import PROBLEMS
 from grader import lanes
 from tests import mutants
 from tests.grading import ROOT, assert_fails_for, run_grader
@@ -53,6 +54,7 @@ def test_lanes_grade_each_problem_as_one_process_would(tmp_path):
 
 def test_problem_times_are_kept_per_profile_and_device(tmp_path, monkeypatch):
     monkeypatch.setattr(lanes, "TIMES_FILE", tmp_path / "cache" / "seconds.json")
+    monkeypatch.setattr(lanes, "SHIPPED_TIMES_FILE", tmp_path / "shipped.json")
     assert lanes.known_seconds("public/cuda") == {}
     lanes.remember_seconds("public/cuda", {"moe.router": 70.24, "kernels.matmul": 115.8})
     lanes.remember_seconds("public/cuda", {"moe.router": 60.0})
@@ -61,3 +63,11 @@ def test_problem_times_are_kept_per_profile_and_device(tmp_path, monkeypatch):
     assert lanes.known_seconds("ci/cpu") == {"moe.router": 9.0}
     lanes.TIMES_FILE.write_text("not json")
     assert lanes.known_seconds("ci/cpu") == {}  # a damaged file deals by tests again
+
+
+def test_a_first_run_is_dealt_by_the_times_recorded_with_the_project(tmp_path, monkeypatch):
+    monkeypatch.setattr(lanes, "TIMES_FILE", tmp_path / "cache" / "seconds.json")
+    shipped = lanes.known_seconds("public/cuda")
+    assert {problem.id for problem in PROBLEMS} <= set(shipped)
+    lanes.remember_seconds("public/cuda", {"moe.router": 1.5})
+    assert lanes.known_seconds("public/cuda") == {**shipped, "moe.router": 1.5}  # this machine's own times win
