@@ -187,6 +187,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "backward": 6,
             "causal": 4,
             "saves_no_score_matrix": 2,
+            "blocks_bounded": 2,
             "invalid_arguments": 1,
             "speed": 4,
         },

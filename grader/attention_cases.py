@@ -10,6 +10,7 @@ the forward and by the backward, and the gradients of a given upstream dO.
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass
 
 import pytest
@@ -20,9 +21,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from grader.compare import assert_close, assert_raises, check_tensor_form
 from grader.context import current
 from grader.outcomes import RuleViolation, WrongAnswer
+from grader.sandbox.client import check_triton_traffic
 from grader.strategies import dims, size_scale
 
 TORCH_TILE_SIZE = 16  # the PyTorch problem's pinned TILE_SIZE (rows of a query tile and of a key tile)
+# The Triton problem's tiles are its own, but no block of two or more dimensions in its kernels may exceed this along
+# any dimension: a block of every key (or every query) of a longer sequence is not a tile.
+TRITON_MAX_BLOCK = 128
 FUNCTION_NODE = "FlashAttentionFunctionBackward"  # autograd's name for the node of FlashAttentionFunction.apply
 # Laid out as given ([batch, heads, seq, head_dim]); as views of [batch, seq, heads, head_dim] tensors (what a
 # projection followed by a transpose gives); as views of one packed [batch, seq, 3, heads, head_dim] tensor.
@@ -119,10 +124,11 @@ def attention_cases(
     causal: st.SearchStrategy[bool] = st.booleans(),
     seq: st.SearchStrategy[int] | None = None,
     head_dim: st.SearchStrategy[int] | None = None,
+    max_pairs: int | None = None,
 ) -> AttentionCase:
     """Cases of the given dtypes; by default sequences up to 40 (3 tiles of 16) under `ci` on a CPU, longer with
-    more room, and at most 3 (batch, head) pairs under `ci`, 16 anywhere."""
-    max_pairs = min(3 * size_scale(), 16)
+    more room, and at most 3 (batch, head) pairs under `ci`, 16 anywhere (or max_pairs)."""
+    max_pairs = max_pairs or min(3 * size_scale(), 16)
     batch = draw(st.integers(1, max_pairs))
     heads = draw(st.integers(1, max_pairs // batch))
     return AttentionCase(
@@ -208,33 +214,45 @@ def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[st
     with uses_triton, torch may only allocate, view and copy (grader.sandbox.allowed_ops)."""
     from grader.sandbox import guards, triton_hooks
     from grader.sandbox.allowed_ops import ALLOWED_OPS
+    from grader.sandbox.triton_traffic import TRAFFIC
 
     inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
     # The PyTorch problem pins its tiles (TILE_SIZE rows of queries and of keys); a Triton kernel's tiles are its own
-    # and live in registers, out of this recorder's sight.
+    # blocks, which the traffic recorder sees.
     squares = _WideTensorRecorder(q.shape[-2], None if uses_triton else tile_rule(q.shape, TORCH_TILE_SIZE))
     forbidden = guards.ForbiddenOpRecorder(tuple(forbidden_ops), ALLOWED_OPS if uses_triton else None)
     report = {"saved": None, "lse": None, "ctx_tensors": [], "backward_launches": [], "grads": None}
     triton_hooks.LAUNCHES.reset()
-    with forbidden, squares:
-        output = module.flash_attention(*inputs, is_causal=is_causal)
-        report["forward_launches"] = list(triton_hooks.LAUNCHES.names)
-        nodes = _function_nodes(output)
-        report["function_nodes"] = len(nodes)
-        if len(nodes) == 1:
-            saved = nodes[0].saved_tensors
-            report["saved"] = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in saved]
-            report["lse"] = saved[4].detach().clone() if len(saved) >= 5 else None
-            report["ctx_tensors"] = _tensor_attributes(nodes[0])
-        if grad_o is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-            triton_hooks.LAUNCHES.reset()
-            output.backward(grad_o)
-            report["backward_launches"] = list(triton_hooks.LAUNCHES.names)
-            report["grads"] = [None if t.grad is None else t.grad.detach() for t in inputs]
+    if uses_triton:
+        TRAFFIC.start(by_address=os.environ.get("TRITON_INTERPRET") == "1")
+    try:
+        with forbidden, squares:
+            output = module.flash_attention(*inputs, is_causal=is_causal)
+            report["forward_launches"] = list(triton_hooks.LAUNCHES.names)
+            nodes = _function_nodes(output)
+            report["function_nodes"] = len(nodes)
+            if len(nodes) == 1:
+                saved = nodes[0].saved_tensors
+                report["saved"] = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in saved]
+                report["lse"] = saved[4].detach().clone() if len(saved) >= 5 else None
+                report["ctx_tensors"] = _tensor_attributes(nodes[0])
+            if grad_o is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+                triton_hooks.LAUNCHES.reset()
+                output.backward(grad_o)
+                report["backward_launches"] = list(triton_hooks.LAUNCHES.names)
+                report["grads"] = [None if t.grad is None else t.grad.detach() for t in inputs]
+    finally:
+        TRAFFIC.stop()
     report["output"] = output.detach() if isinstance(output, torch.Tensor) else output
     report["square_tensors"] = squares.seen
     report["forbidden"] = forbidden.seen
     report["computed"] = forbidden.computed
+    if uses_triton:
+        # (q, k, v share their memory with the detached inputs the call was given.)
+        report["unread"] = TRAFFIC.unread({"q": q, "k": k, "v": v, "the upstream gradient dO": grad_o})
+        report["unwritten"] = TRAFFIC.unwritten({"the output": output, **{
+            f"the gradient of {name}": g for name, g in zip("qkv", report["grads"] or ())}})
+        report["widest_block"] = TRAFFIC.widest_block
     return report
 
 
@@ -407,6 +425,21 @@ def check_no_score_matrix(report: dict, seq: int, context: str) -> None:
         )
 
 
+def check_blocks_bounded(report: dict, seq: int, context: str) -> None:
+    """No block (a Triton tensor of two or more dimensions) in any kernel the call launched has a dimension longer
+    than TRITON_MAX_BLOCK; seq exceeds it, so a block of the whole sequence fails."""
+    if report["widest_block"] is None:
+        return
+    kernel, shape = report["widest_block"]
+    if max(shape) > TRITON_MAX_BLOCK:
+        raise WrongAnswer(
+            f"Triton kernel `{kernel}` holds a block of shape {tuple(shape)}, longer than {TRITON_MAX_BLOCK} along a "
+            f"dimension (seq = {seq}): FlashAttention streams the sequence in tiles of at most {TRITON_MAX_BLOCK} "
+            f"queries and {TRITON_MAX_BLOCK} keys, and no block of any kernel may exceed {TRITON_MAX_BLOCK} along any "
+            f"dimension ({context})"
+        )
+
+
 def describe_saved(report: dict) -> str:
     saved = report["saved"]
     listing = ", ".join(f"{tuple(shape)} {dtype}" for shape, dtype in saved)
@@ -426,6 +459,8 @@ def check_rules(report: dict, uses_triton: bool, backward: bool, context: str) -
     if report["computed"]:
         raise RuleViolation(f"flash_attention computed with {', '.join(report['computed'])} outside a Triton kernel: "
                             f"torch may only allocate, view and copy tensors here ({context})")
+    if uses_triton:
+        check_triton_traffic(report, "flash_attention", context)
 
 
 # --- invalid arguments: one fault each --------------------------------------------------------------------------

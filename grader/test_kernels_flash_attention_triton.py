@@ -18,6 +18,8 @@ from grader.attention_cases import (
     INVALID,
     attention_cases as cases,
     call_and_expect,
+    TRITON_MAX_BLOCK,
+    check_blocks_bounded,
     check_gradients,
     check_lse,
     check_no_score_matrix,
@@ -101,6 +103,18 @@ def test_saves_no_score_matrix(student, case):
     q, k, v, grad_o = case.inputs()
     report = run_probe(student, case, q, k, v, grad_o, uses_triton=True)
     check_no_score_matrix(report, case.seq, case.describe())
+
+
+@examples(PROBLEM, 0.25)
+@given(case=cases(DTYPES, seq=st.integers(TRITON_MAX_BLOCK + 1, TRITON_MAX_BLOCK + 72), head_dim=st.just(16),
+                  max_pairs=1))
+def test_blocks_bounded(student, case):
+    """Forward and backward on a sequence longer than TRITON_MAX_BLOCK: no block of two or more dimensions in any
+    kernel is longer than that along a dimension. The blocks come from the interpreter's tensors on a CPU and from
+    each compiled kernel's Triton IR on a GPU (grader.sandbox.triton_traffic)."""
+    q, k, v, grad_o = case.inputs()
+    report = run_probe(student, case, q, k, v, grad_o, uses_triton=True)
+    check_blocks_bounded(report, case.seq, case.describe())
 
 
 @pytest.mark.parametrize("make_inputs, expected_error", INVALID)

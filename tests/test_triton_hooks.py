@@ -7,6 +7,7 @@ import triton.language as tl
 
 from grader.sandbox import triton_hooks
 from grader.sandbox.triton_hooks import LaunchRecorder, TritonOutOfBounds
+from grader.sandbox.triton_traffic import TRAFFIC
 
 interpreter_only = pytest.mark.skipif(not triton_hooks._interpreting(), reason="needs TRITON_INTERPRET=1")
 
@@ -203,3 +204,67 @@ def test_launch_recorder_counts_plain_and_autotuned_launches():
     add_kernel[_grid_1d(50, 32)](x_N, x_N, out_N, 50, BLOCK=32)
     assert recorder.names == ["add_kernel", "autotuned_scale_kernel", "autotuned_scale_kernel", "add_kernel"]
     assert triton_hooks.LAUNCHES.names[-4:] == recorder.names
+
+
+# --- what the launches touched (grader.sandbox.triton_traffic) ------------------------------------------------------
+
+
+def _traffic_of(call, by_address: bool):
+    """Run call() with the traffic recorder on, and torch's copies shown to it as the worker's recorder does."""
+    from grader.sandbox.allowed_ops import ALLOWED_OPS
+    from grader.sandbox.guards import ForbiddenOpRecorder
+
+    TRAFFIC.start(by_address=by_address)
+    try:
+        with ForbiddenOpRecorder((), ALLOWED_OPS):
+            result = call()
+    finally:
+        TRAFFIC.stop()
+    return result
+
+
+@interpreter_only
+def test_traffic_names_the_elements_no_launch_read_or_wrote():
+    x, out = torch.arange(10.0), torch.zeros(10)
+    _traffic_of(lambda: strided_copy_kernel[(1,)](x, out, 1, 9, 0, 1, BLOCK_R=1, BLOCK_C=16), by_address=True)
+    assert TRAFFIC.unread({"x": x}) == ["x: 1 of 10 elements"]
+    assert TRAFFIC.unwritten({"out": out}) == ["out: 1 of 10 elements"]
+
+
+@interpreter_only
+def test_traffic_follows_torch_copies_into_and_out_of_kernels():
+    row = torch.arange(8.0, dtype=torch.float16)
+    x = row.expand(3, 8)  # stride 0: every element of the row is read through its copy
+
+    def call():
+        buffer = torch.empty(3, 8)
+        strided_copy_kernel[(1,)](x.contiguous(), buffer, 3, 8, 8, 1, BLOCK_R=4, BLOCK_C=8)
+        return buffer.to(torch.float16)  # a cast of what the kernel stored
+
+    out = _traffic_of(call, by_address=True)
+    assert TRAFFIC.unread({"x": x}) == []
+    assert TRAFFIC.unwritten({"out": out}) == []
+    assert TRAFFIC.unwritten({"made by torch": torch.ones(3)}) == ["made by torch: 3 of 3 elements"]
+
+
+def test_traffic_by_argument_counts_what_each_launch_was_given():
+    # The GPU's evidence (launch arguments, no addresses), here on the interpreter's CPU tensors.
+    x, out, other = torch.arange(10.0), torch.zeros(10), torch.ones(4)
+    _traffic_of(lambda: add_kernel[(1,)](x, x, out, 10, BLOCK=16), by_address=False)
+    assert TRAFFIC.unread({"x": x, "other": other}) == ["other"]
+    assert TRAFFIC.unwritten({"out": out[2:], "other": other}) == ["other"]
+
+
+@interpreter_only
+def test_traffic_keeps_the_widest_block_a_kernel_held():
+    x, out = torch.zeros(4, 200), torch.zeros(4, 200)
+    _traffic_of(lambda: strided_copy_kernel[(1,)](x, out, 4, 200, 200, 1, BLOCK_R=4, BLOCK_C=256), by_address=True)
+    assert TRAFFIC.widest_block == ("strided_copy_kernel", (4, 256))
+
+
+def test_widest_block_is_read_from_triton_ir():
+    TRAFFIC.start(by_address=False)
+    TRAFFIC.note_ir("k", "%1 = tt.load %0 : tensor<64x32x!tt.ptr<f16>>\n%2 = tt.dot %a, %b : tensor<64x256xf32>\n"
+                         "%3 = tt.make_range {end = 512 : i32} : tensor<512xi32>")
+    TRAFFIC.stop()
+    assert TRAFFIC.widest_block == ("k", (64, 256))  # blocks of one dimension are not counted

@@ -64,6 +64,19 @@ def exit_description(returncode: int | None, through_bwrap: bool = False) -> str
     return f"exited with status {returncode}"
 
 
+def check_triton_traffic(reply: dict, what: str, context: str = "") -> None:
+    """The worker's evidence that the Triton launches read every input and wrote every output
+    (grader.sandbox.triton_traffic)."""
+    where = f" ({context})" if context else ""
+    if reply.get("unwritten"):
+        raise RuleViolation(f"{what} returned values that no Triton kernel wrote ({'; '.join(reply['unwritten'])}): "
+                            f"every output element must be stored by your kernels, or copied from a buffer they "
+                            f"stored{where}")
+    if reply.get("unread"):
+        raise RuleViolation(f"{what}'s Triton kernels never read some of its inputs ({'; '.join(reply['unread'])}): "
+                            f"the kernels must load every input they compute from{where}")
+
+
 def reference_as_seen(reference: PackageSpec, isolation: Isolation) -> dict:
     """What a student process is told of the reference: its name, to refuse importing it, and its path only where the
     process could otherwise reach the directory (no bwrap sandbox)."""
@@ -206,6 +219,8 @@ class Sandbox:
         if reply.get("computed") and not reply.get("empty_input"):
             raise RuleViolation(f"{what} computed with {', '.join(reply['computed'])} outside a Triton kernel: here "
                                 "torch may only allocate, view and copy tensors, and the values are your kernels' work")
+        if not reply.get("empty_input"):
+            check_triton_traffic(reply, what)
 
     def time_call(self, function: str, inputs: str, case: tuple, seed: int, check_rules: bool,
                   harness: str | None = None) -> float:

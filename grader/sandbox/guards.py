@@ -16,6 +16,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from grader.sandbox import allowed_ops
+from grader.sandbox.triton_traffic import TRAFFIC
 
 
 class ForbiddenImport(ImportError):
@@ -72,7 +73,8 @@ class ForbiddenOpRecorder(TorchDispatchMode):
     """Records which of the given aten operators were called while active (any route: torch.x, Tensor.x, F.x), in
     this thread and, once `record_every_thread()` ran, in every thread started from Python. With `allow_only`, it
     also records in `computed` every operator outside that allowlist that Triton's own code did not call, and every
-    read of tensor values into Python or numpy (see grader.sandbox.allowed_ops)."""
+    read of tensor values into Python or numpy (see grader.sandbox.allowed_ops), and shows torch's copies to the
+    Triton traffic recorder (grader.sandbox.triton_traffic)."""
 
     def __init__(self, op_names: tuple[str, ...], allow_only: frozenset[str] | None = None):
         super().__init__()
@@ -99,7 +101,10 @@ class ForbiddenOpRecorder(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         self.note(func)
-        return func(*args, **(kwargs or {}))
+        out = func(*args, **(kwargs or {}))
+        if self.allow_only is not None:
+            TRAFFIC.note_op(str(func.overloadpacket), args, kwargs or {}, out)
+        return out
 
     def __enter__(self):
         _ACTIVE_RECORDERS.append(self)

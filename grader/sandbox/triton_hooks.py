@@ -1,6 +1,7 @@
 """Runtime hooks on Triton that the grader installs before any kernel runs.
 
-Three independent hooks, each safe to install more than once:
+Three independent hooks, each safe to install more than once (the load, store and launch hooks also feed
+grader.sandbox.triton_traffic, the evidence that kernels read the inputs and wrote the outputs):
 
 * an address check for Triton's interpreter, which otherwise lets an unmasked
   out-of-bounds load read garbage, a store overwrite unrelated memory, or either
@@ -24,6 +25,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 import numpy as np
+
+from grader.sandbox.triton_traffic import TRAFFIC
 
 # Attribute on every wrapper that holds the function it replaced; re-installing
 # wraps that original again instead of stacking a second wrapper on top.
@@ -168,17 +171,21 @@ def _access_bytes(ptrs: Any) -> int:
     return max(1, getattr(pointee, "primitive_bitwidth", 8) // 8)
 
 
+def _active_addresses(ptrs: Any, mask: Any) -> np.ndarray:
+    addresses = np.asarray(ptrs.data).astype(np.uint64, copy=False)
+    if mask is None:
+        return addresses.reshape(-1)
+    return addresses[np.broadcast_to(np.asarray(mask.data).astype(bool, copy=False), addresses.shape)]
+
+
 def _check_access(builder: Any, op: str, ptrs: Any, mask: Any) -> None:
-    """Raise TritonOutOfBounds unless every active lane's access lies inside one tensor argument."""
+    """Report the access to the traffic recorder, and raise TritonOutOfBounds unless every active lane's access lies
+    inside one tensor argument."""
     if not _LAUNCHES_IN_FLIGHT:
         return
     launch = _LAUNCHES_IN_FLIGHT[-1]
-    addresses = np.asarray(ptrs.data).astype(np.uint64, copy=False)
-    if mask is not None:
-        active = np.broadcast_to(np.asarray(mask.data).astype(bool, copy=False), addresses.shape)
-        addresses = addresses[active]
-    else:
-        addresses = addresses.reshape(-1)
+    addresses = _active_addresses(ptrs, mask)
+    TRAFFIC.note_access(op, addresses)
     if addresses.size == 0:
         return
     access_bytes = _access_bytes(ptrs)
@@ -390,11 +397,27 @@ def _record_launches(original: Callable) -> Callable:
             recorder.names.append(name)
         _NESTING.depth = depth + 1
         try:
-            return original(self, *args, **kwargs)
+            kernel = original(self, *args, **kwargs)
         finally:
             _NESTING.depth = depth
+        if TRAFFIC.active:
+            TRAFFIC.note_arguments([(e.start, e.end) for e in _launch_extents([], list(args), kwargs)])
+            ir = getattr(kernel, "asm", {}).get("ttir") if isinstance(getattr(kernel, "asm", None), dict) else None
+            if isinstance(ir, str):  # a compiled kernel (GPU): its blocks, from its Triton IR
+                TRAFFIC.note_ir(name, ir)
+        return kernel
 
     return run
+
+
+def _record_blocks(original: Callable) -> Callable:
+
+    def __post_init__(self):
+        original(self)
+        if TRAFFIC.active and _LAUNCHES_IN_FLIGHT and self.data.ndim >= 2:
+            TRAFFIC.note_block(_LAUNCHES_IN_FLIGHT[-1].kernel_name, self.data.shape)
+
+    return __post_init__
 
 
 def _install_launch_hooks() -> None:
@@ -404,9 +427,11 @@ def _install_launch_hooks() -> None:
     _patch(JITFunction, "run", _record_launches)
     _patch(Autotuner, "run", _record_launches)
     if _interpreting():
-        from triton.runtime.interpreter import InterpretedFunction
+        from triton.runtime.interpreter import InterpretedFunction, TensorHandle
 
         _patch(InterpretedFunction, "run", _record_launches)
+        # Every value an interpreted kernel computes is a TensorHandle around a numpy array of the block's shape.
+        _patch(TensorHandle, "__post_init__", _record_blocks)
 
 
 LAUNCHES = LaunchRecorder()

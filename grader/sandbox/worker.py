@@ -28,6 +28,7 @@ from grader.packages import PackageSpec, load_problem_module
 from grader import timing
 from grader.sandbox import guards
 from grader.sandbox.allowed_ops import ALLOWED_OPS
+from grader.sandbox.triton_traffic import TRAFFIC
 from grader.sandbox.wire import decode, encode, to_plain
 
 
@@ -110,6 +111,10 @@ class Worker:
         observed["modified"] = [name for name, copy in before.items() if not unchanged(inputs[name], copy)]
         # An empty tensor has nothing to compute: no launch is needed for it.
         observed["empty_input"] = any(copy.numel() == 0 for copy in before.values())
+        if self.allow_only is not None:
+            upstream = {f"upstream gradient {i}": u for i, u in enumerate(grad["upstream"] if grad else ())}
+            observed["unread"] = TRAFFIC.unread({**inputs, **upstream})
+            observed["unwritten"] = TRAFFIC.unwritten(outputs_by_name(value, grads, grad))
         return {"status": "ok", "value": to_plain(value), "grads": grads, **observed}
 
     @contextlib.contextmanager
@@ -119,8 +124,13 @@ class Worker:
             self.launches.reset()
         recorder = guards.ForbiddenOpRecorder(self.forbidden_ops, self.allow_only)
         observed = {}
-        with recorder:
-            yield observed
+        if self.allow_only is not None:
+            TRAFFIC.start(by_address=os.environ.get("TRITON_INTERPRET") == "1")
+        try:
+            with recorder:
+                yield observed
+        finally:
+            TRAFFIC.stop()
         observed["launches"] = list(self.launches.names) if self.launches is not None else []
         observed["forbidden"] = recorder.seen
         observed["computed"] = recorder.computed
@@ -176,6 +186,15 @@ class Worker:
             if isinstance(error, (KeyboardInterrupt, SystemExit)):
                 raise
             return describe_exception(error, self.impl_dir)
+
+
+def outputs_by_name(value, grads: list | None, grad: dict | None) -> dict:
+    """The tensors a call returned and the gradients its backward gave, by the names a message uses for them."""
+    outputs = list(value) if isinstance(value, (tuple, list)) else [value]
+    named = {("the output" if len(outputs) == 1 else f"output {i}"): out for i, out in enumerate(outputs)}
+    for index, gradient in zip(grad["inputs"] if grad else (), grads or ()):
+        named[f"the gradient of argument {index}"] = gradient
+    return named
 
 
 def unchanged(now: torch.Tensor, before: torch.Tensor) -> bool:

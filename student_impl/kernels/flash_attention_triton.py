@@ -25,6 +25,9 @@ class FlashAttentionFunction(torch.autograd.Function):
         The gradients have the shapes and dtypes of q, k, v; the None is is_causal's.
 
     Neither pass may build a tensor with two dimensions of length seq (a score, probability or mask matrix).
+    Tiles: no block in any of your kernels (a Triton tensor of two or more dimensions, e.g. a [BLOCK_M, BLOCK_N]
+    score tile or a [BLOCK_N, head_dim] key tile) may be longer than 128 along any dimension, so that a sequence
+    longer than 128 is always streamed in tiles, never held whole.
     """
 
     @staticmethod
