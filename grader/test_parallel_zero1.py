@@ -16,6 +16,7 @@ from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_close, largest_magnitude
+from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.memory import MemoryProbe, allocated_bytes
 from grader.distributed.rank import rank_device
@@ -102,7 +103,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
     sharded = student.ShardedOptimizer(iter(given_parameters(model, config)), optimizer_cls, group, **kwargs)
     params = list(model.parameters())
     not_given = [p for p in params if not any(p is q for q in given_parameters(model, config))]
-    weights, state_bytes, state_held, new_bytes = [], [], [], []
+    weights, state_bytes, state_held, new_bytes, step_calls = [], [], [], [], []
     for _ in range(STEPS):
         # The probe counts what the step leaves alive, wherever it is kept: state made by the first step, whether the
         # inner optimizer holds it or anything else does. It closes before the grader's own copies of the weights.
@@ -113,7 +114,11 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
                 if param.grad is not None:
                     dist.all_reduce(param.grad, group=group)
                     param.grad.div_(group_size)
-            sharded.step()
+            recorder.reset()
+            with recorder.phase("step"):
+                sharded.step()
+            recorder.release_handles()  # a Work the recorder keeps keeps its tensors alive, which the probe would count
+            step_calls.append([(c.op, c.bytes, c.src) for c in recorder.CALLS if not c.nested])
             sharded.zero_grad()
             for param in not_given:
                 param.grad = None  # the optimizer's zero_grad clears only its own parameters' gradients
@@ -124,6 +129,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
         state_held.append([p in inner.state for p in params])
     optimized = [p for param_group in sharded.optimizer.param_groups for p in param_group["params"]]
     return {"weights": weights, "state_bytes": state_bytes, "state_held": state_held, "new_bytes": new_bytes,
+            "step_calls": step_calls,
             "optimized": [(p.numel(), str(p.device), p.dtype) for p in optimized],
             "parameter_place": (str(params[0].device), params[0].dtype)}
 
@@ -244,6 +250,37 @@ def test_state_sharded(ranks, world_size, config):
         if rank not in owners:
             check_placeholder(result, f"rank {rank} of {world_size}, {config}")
         check_state_kept(result, unsharded_run["state_tensors"], owners, rank, f"rank {rank} of {world_size}, {config}")
+        check_parameters_travel(result, parameter_bytes(config), owners, rank, f"rank {rank} of {world_size}, {config}")
+
+
+def parameter_bytes(config: dict) -> list[int]:
+    """Bytes of each parameter, in model.parameters() order (the tied weight once)."""
+    return [p.numel() * p.element_size() for p in make_model(config, case_dtype(config)).parameters()]
+
+
+def check_parameters_travel(result: dict, sizes: list[int], owners: list, rank: int, context: str) -> None:
+    """Parameters come from their owners (the recorder's calls during step(), in-process evidence): in every step the
+    rank's collectives move at least the bytes of the parameters it does not own, and no broadcast names as its
+    source a rank that owns fewer bytes than it sends. A rank that steps every parameter itself moves nothing."""
+    not_owned = sum(size for size, owner in zip(sizes, owners) if owner is not None and owner != rank)
+    owned = {}
+    for size, owner in zip(sizes, owners):
+        owned[owner] = owned.get(owner, 0) + size
+    for step, calls in enumerate(result["step_calls"], start=1):
+        moved = sum(size for _, size, _ in calls)
+        if moved < not_owned:
+            raise WrongAnswer(f"{context}: in step {step}, step() moved {moved} bytes through collectives on this rank "
+                              f"({', '.join(op for op, _, _ in calls) or 'no call'}); the parameters it does not own "
+                              f"take {not_owned}: each updated parameter must come from its owner")
+        sent_from = {}
+        for op, size, source in calls:
+            if op == "broadcast" and source is not None:
+                sent_from[source] = sent_from.get(source, 0) + size
+        for source, size in sent_from.items():
+            if size > owned.get(source, 0):
+                raise WrongAnswer(f"{context}: in step {step}, broadcasts from rank {source} carried {size} "
+                                  f"bytes; that rank owns {owned.get(source, 0)} bytes of parameters: each parameter "
+                                  f"comes from its owner")
 
 
 def check_state_kept(result: dict, state_tensors: list[list[int]], owners: list, rank: int, context: str) -> None:

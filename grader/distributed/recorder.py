@@ -70,6 +70,8 @@ class Call:
     # The phase in which the program first waited on this call's Work (or on its future); None if it never did.
     # "Issued with async_op=True" alone does not show overlap: a handle waited on at once blocks like a plain call.
     waited: str | None = None
+    # A broadcast's source, as a global rank (None for other calls, and for a process group's own method).
+    src: int | None = None
 
 
 CALLS: list[Call] = []  # since the last reset(), for the program's checks
@@ -98,6 +100,20 @@ def sent_bytes(name: str, first) -> int:
     return 0
 
 
+def broadcast_source(name: str, operands: tuple, kwargs: dict, beneath: bool) -> int | None:
+    """The global rank a torch.distributed.broadcast call names as its source (`src`, or `group_src` in its group)."""
+    if name != "broadcast" or beneath:
+        return None
+    try:
+        if kwargs.get("group_src") is not None:
+            group = kwargs.get("group") or dist.group.WORLD
+            return dist.get_global_rank(group, kwargs["group_src"])
+        source = kwargs.get("src", operands[1] if len(operands) > 1 else None)
+        return int(source) if source is not None else None
+    except (TypeError, ValueError, RuntimeError):
+        return None  # the call itself will say what is wrong with its arguments
+
+
 @contextlib.contextmanager
 def phase(name: str):
     """Label the calls issued inside the block (e.g. "backward"), for checks such as overlap with backward."""
@@ -121,7 +137,7 @@ def _call_recorded(name: str, function, args: tuple, kwargs: dict, beneath: bool
     operands = args[1:] if method else args
     first = operands[0] if operands else next(iter(kwargs.values()), None)
     call = Call(_entered, name, tensor_bytes(first), beneath or bool(kwargs.get("async_op", False)), _phase,
-                sent_bytes(name, first), depth > 0)
+                sent_bytes(name, first), depth > 0, src=broadcast_source(name, operands, kwargs, beneath))
     CALLS.append(call)
     if _progress is not None:
         _progress.write(f"{call.seq} {name}\n")
