@@ -20,6 +20,7 @@ from grader.distributed import recorder
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.memory import MemoryProbe, allocated_bytes
 from grader.distributed.rank import rank_device
+from grader.distributed.travel import check_parameters_travel
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group
 from grader.outcomes import WrongAnswer
 from grader.parallel_models import TiedMLP, shard_mean_loss, tied_mlp_from_state
@@ -250,37 +251,13 @@ def test_state_sharded(ranks, world_size, config):
         if rank not in owners:
             check_placeholder(result, f"rank {rank} of {world_size}, {config}")
         check_state_kept(result, unsharded_run["state_tensors"], owners, rank, f"rank {rank} of {world_size}, {config}")
-        check_parameters_travel(result, parameter_bytes(config), owners, rank, f"rank {rank} of {world_size}, {config}")
+        check_parameters_travel(result["step_calls"], parameter_bytes(config), owners, rank,
+                                f"rank {rank} of {world_size}, {config}")
 
 
 def parameter_bytes(config: dict) -> list[int]:
     """Bytes of each parameter, in model.parameters() order (the tied weight once)."""
     return [p.numel() * p.element_size() for p in make_model(config, case_dtype(config)).parameters()]
-
-
-def check_parameters_travel(result: dict, sizes: list[int], owners: list, rank: int, context: str) -> None:
-    """Parameters come from their owners (the recorder's calls during step(), in-process evidence): in every step the
-    rank's collectives move at least the bytes of the parameters it does not own, and no broadcast names as its
-    source a rank that owns fewer bytes than it sends. A rank that steps every parameter itself moves nothing."""
-    not_owned = sum(size for size, owner in zip(sizes, owners) if owner is not None and owner != rank)
-    owned = {}
-    for size, owner in zip(sizes, owners):
-        owned[owner] = owned.get(owner, 0) + size
-    for step, calls in enumerate(result["step_calls"], start=1):
-        moved = sum(size for _, size, _ in calls)
-        if moved < not_owned:
-            raise WrongAnswer(f"{context}: in step {step}, step() moved {moved} bytes through collectives on this rank "
-                              f"({', '.join(op for op, _, _ in calls) or 'no call'}); the parameters it does not own "
-                              f"take {not_owned}: each updated parameter must come from its owner")
-        sent_from = {}
-        for op, size, source in calls:
-            if op == "broadcast" and source is not None:
-                sent_from[source] = sent_from.get(source, 0) + size
-        for source, size in sent_from.items():
-            if size > owned.get(source, 0):
-                raise WrongAnswer(f"{context}: in step {step}, broadcasts from rank {source} carried {size} "
-                                  f"bytes; that rank owns {owned.get(source, 0)} bytes of parameters: each parameter "
-                                  f"comes from its owner")
 
 
 def check_state_kept(result: dict, state_tensors: list[list[int]], owners: list, rank: int, context: str) -> None:

@@ -18,6 +18,7 @@ from hypothesis import given, strategies as st
 from assignment.registry import BY_ID
 from grader.compare import assert_close, largest_magnitude
 from grader.distributed import recorder
+from grader.distributed.travel import check_parameters_travel
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.memory import MemoryProbe, allocated_bytes
 from grader.distributed.rank import rank_device
@@ -93,7 +94,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
                 loss.backward()
             with recorder.phase("finish"):
                 zero.finish_gradient_synchronization()
-            calls = [(c.op, c.bytes, c.async_op, c.phase, c.waited) for c in recorder.CALLS]
+            calls = [(c.op, c.bytes, c.async_op, c.phase, c.waited, c.src) for c in recorder.CALLS]
             recorder.release_handles()  # the recorder's own references to the reduces' tensors
             gc.collect()  # and any cycle holding a freed gradient
             new_bytes.append(memory.probe("after finish_gradient_synchronization()"))
@@ -102,8 +103,8 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
             zero.step()
         zero.zero_grad()
         weights.append([p.detach().cpu().clone() for p in model.parameters()])
-        steps_calls.append(calls + [(c.op, c.bytes, c.async_op, c.phase, c.waited)
-                                    for c in recorder.CALLS[len(calls):]])
+        steps_calls.append(calls + [(c.op, c.bytes, c.async_op, c.phase, c.waited, c.src)
+                                    for c in recorder.CALLS[len(calls):] if not c.nested])
     return {"grads": grads, "weights": weights, "calls": steps_calls, "new_bytes": new_bytes,
             "device": str(device),
             "module_kept": getattr(zero, "module", None) is model}
@@ -235,9 +236,11 @@ def check_gradients_kept(result: dict, sizes: list[int], owners: list, rank: int
 @given(config=configs)
 def test_collective_pattern(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
-    trainable = [size for size, owner in zip(parameter_bytes(config), pinned_owners(config, world_size))
-                 if owner is not None]
+    owners = pinned_owners(config, world_size)
+    trainable = [size for size, owner in zip(parameter_bytes(config), owners) if owner is not None]
     for rank, result in enumerate(results):
+        step_calls = [[(c[0], c[1], c[5]) for c in calls if c[3] == "step"] for calls in result["calls"]]
+        check_parameters_travel(step_calls, parameter_bytes(config), owners, rank, f"rank {rank} ({config})")
         for step, calls in enumerate(result["calls"], start=1):
             where = f"rank {rank}, step {step} ({config})"
             all_reduces = [c for c in calls if c[0] == "all_reduce"]
