@@ -282,10 +282,10 @@ def probe_and_expect(student, reference, case: AttentionCase, q, k, v, grad_o=No
 
 
 def call_and_expect(student, reference, case: AttentionCase, q, k, v) -> tuple:
-    """flash_attention(q, k, v, is_causal=False) of the student's module, and what it must give."""
+    """flash_attention(q, k, v) of the student's module, is_causal left at its default (False, pinned), and what it
+    must give."""
     with student.describing(case.describe()):
-        reply, want = student.call_beside(lambda: expected(reference, case, q, k, v), "flash_attention", q, k, v,
-                                          is_causal=False)
+        reply, want = student.call_beside(lambda: expected(reference, case, q, k, v), "flash_attention", q, k, v)
     return reply["value"], want
 
 
