@@ -68,8 +68,8 @@ class TrafficRecorder:
 
     def clear(self) -> None:
         self.argument_ranges: list[tuple[int, int]] = []
-        self.loaded: list[np.ndarray] = []
-        self.stored: list[np.ndarray] = []
+        self.loaded = _Addresses()
+        self.stored = _Addresses()
         # (destination, source), in order: address arrays of equal length, or byte ranges on a GPU.
         self.copies: list[tuple[Any, Any]] = []
         self.widest_block: tuple[str, tuple[int, ...]] | None = None
@@ -87,9 +87,9 @@ class TrafficRecorder:
         """op: "load", "store", or "atomic" (which reads and writes)."""
         if self.active and self.by_address:
             if op != "store":
-                self.loaded.append(addresses.copy())
+                self.loaded.add(addresses)
             if op != "load":
-                self.stored.append(addresses.copy())
+                self.stored.add(addresses)
 
     def note_block(self, kernel: str, shape: tuple[int, ...]) -> None:
         """Keep the block with the longest dimension (the larger, of two as long)."""
@@ -122,7 +122,7 @@ class TrafficRecorder:
     def unread(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Which of `tensors` no launch read, whole or in part: 'name: n of N elements' (or 'name' on a GPU)."""
         if self.by_address:
-            read = _unique(self.loaded)
+            read = self.loaded.unique()
             for destination, source in reversed(self.copies):  # a later copy first: chains of copies carry back
                 read = np.union1d(read, source[np.isin(destination, read)])
             return _missing(tensors, read)
@@ -135,7 +135,7 @@ class TrafficRecorder:
     def unwritten(self, tensors: dict[str, torch.Tensor]) -> list[str]:
         """Which of `tensors` no launch wrote, whole or in part (copies of what a launch wrote count as written)."""
         if self.by_address:
-            written = _unique(self.stored)
+            written = self.stored.unique()
             for destination, source in self.copies:
                 written = np.union1d(written, destination[np.isin(source, written)])
             return _missing(tensors, written)
@@ -146,12 +146,30 @@ class TrafficRecorder:
         return [name for name, t in _nonempty(tensors) if not any(_overlaps(byte_range(t), r) for r in written_ranges)]
 
 
+class _Addresses:
+    """Element addresses, kept as the arrays they came in until there are many, then merged into one sorted array
+    without repeats: a kernel that re-reads its inputs (attention reads K and V once per query block) would otherwise
+    keep every read."""
+
+    COMPACT_EVERY = 1 << 22
+
+    def __init__(self) -> None:
+        self.arrays: list[np.ndarray] = []
+        self.size = 0
+
+    def add(self, addresses: np.ndarray) -> None:
+        self.arrays.append(addresses.copy())
+        self.size += addresses.size
+        if self.size > self.COMPACT_EVERY:
+            self.arrays = [self.unique()]
+            self.size = self.arrays[0].size
+
+    def unique(self) -> np.ndarray:
+        return np.unique(np.concatenate(self.arrays)) if self.arrays else np.zeros(0, dtype=np.uint64)
+
+
 def _width(shape: tuple[int, ...]) -> tuple[int, int]:
     return max(shape), int(np.prod(shape))
-
-
-def _unique(arrays: list[np.ndarray]) -> np.ndarray:
-    return np.unique(np.concatenate(arrays)) if arrays else np.zeros(0, dtype=np.uint64)
 
 
 def _nonempty(tensors: dict[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
