@@ -26,6 +26,8 @@ from typing import Any
 import numpy as np
 import torch
 
+from grader.sandbox import allowed_ops
+
 # torch operators that copy values from a source tensor into a new (or given) tensor, element for element.
 COPY_OPS = ("aten._to_copy", "aten.clone", "aten.contiguous", "aten.copy_", "aten.lift_fresh_copy")
 # `tensor<128x64xf16>` and the like in Triton IR: the shape of a block of two or more dimensions.
@@ -110,6 +112,8 @@ class TrafficRecorder:
         destination = args[0] if name == "aten.copy_" else out
         if not (isinstance(source, torch.Tensor) and isinstance(destination, torch.Tensor)) or destination.numel() == 0:
             return
+        if _same_elements(source, destination) or allowed_ops.called_by_triton():
+            return  # the interpreter's own copies of its arguments to and from the host move nothing on a CPU
         if self.by_address:
             if source.device.type == "cpu" and destination.device.type == "cpu":
                 self.copies.append((element_addresses(destination),
@@ -124,7 +128,7 @@ class TrafficRecorder:
         if self.by_address:
             read = self.loaded.unique()
             for destination, source in reversed(self.copies):  # a later copy first: chains of copies carry back
-                read = np.union1d(read, source[np.isin(destination, read)])
+                read = np.union1d(read, source[_within(destination, read)])
             return _missing(tensors, read)
         read_ranges = list(self.argument_ranges)
         for destination, source in reversed(self.copies):
@@ -137,7 +141,7 @@ class TrafficRecorder:
         if self.by_address:
             written = self.stored.unique()
             for destination, source in self.copies:
-                written = np.union1d(written, destination[np.isin(source, written)])
+                written = np.union1d(written, destination[_within(source, written)])
             return _missing(tensors, written)
         written_ranges = list(self.argument_ranges)
         for destination, source in self.copies:
@@ -168,6 +172,18 @@ class _Addresses:
         return np.unique(np.concatenate(self.arrays)) if self.arrays else np.zeros(0, dtype=np.uint64)
 
 
+def _within(addresses: np.ndarray, sorted_unique: np.ndarray) -> np.ndarray:
+    """Which of `addresses` are in `sorted_unique` (a sorted array without repeats)."""
+    if sorted_unique.size == 0:
+        return np.zeros(addresses.shape, dtype=bool)
+    at = np.minimum(np.searchsorted(sorted_unique, addresses), sorted_unique.size - 1)
+    return sorted_unique[at] == addresses
+
+
+def _same_elements(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.data_ptr() == b.data_ptr() and a.shape == b.shape and a.stride() == b.stride() and a.dtype == b.dtype
+
+
 def _width(shape: tuple[int, ...]) -> tuple[int, int]:
     return max(shape), int(np.prod(shape))
 
@@ -180,7 +196,7 @@ def _missing(tensors: dict[str, torch.Tensor], touched: np.ndarray) -> list[str]
     missing = []
     for name, tensor in _nonempty(tensors):
         addresses = element_addresses(tensor)
-        untouched = int((~np.isin(addresses, touched)).sum())
+        untouched = int((~_within(addresses, touched)).sum())
         if untouched:
             missing.append(f"{name}: {untouched} of {addresses.size} elements")
     return missing
