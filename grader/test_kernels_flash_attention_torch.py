@@ -9,11 +9,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader import attention_cases
 from grader.attention_cases import (
+    PADDED_HEAD_DIM,
     INVALID,
     attention_cases as cases,
     call_and_expect,
@@ -41,6 +42,7 @@ SEQ = sequence_lengths(MAX_SEQ)
 
 
 @examples(PROBLEM)
+@example(case=PADDED_HEAD_DIM)
 @given(case=cases(DTYPES, causal=st.just(False), seq=SEQ))
 def test_forward(student, reference, case):
     q, k, v, _ = case.inputs()
@@ -49,6 +51,7 @@ def test_forward(student, reference, case):
 
 
 @examples(PROBLEM)
+@example(case=PADDED_HEAD_DIM)
 @given(case=cases(DTYPES, seq=SEQ))
 def test_logsumexp(student, reference, case):
     """L = log sum_j exp(S_ij), the fifth tensor of ctx.save_for_backward(q, k, v, o, L)."""
@@ -58,6 +61,7 @@ def test_logsumexp(student, reference, case):
 
 
 @examples(PROBLEM)
+@example(case=PADDED_HEAD_DIM)
 @given(case=cases(DTYPES, causal=st.just(False), seq=SEQ))
 def test_backward(student, reference, case):
     q, k, v, grad_o = case.inputs()

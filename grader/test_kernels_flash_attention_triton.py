@@ -10,11 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader import attention_cases
 from grader.attention_cases import (
+    PADDED_HEAD_DIM,
     INVALID,
     attention_cases as cases,
     call_and_expect,
@@ -48,6 +49,7 @@ def check_forward(student, reference, case) -> None:
 
 
 @examples(PROBLEM)
+@example(case=PADDED_HEAD_DIM)
 @given(case=cases((torch.float32,), causal=st.just(False)))
 def test_forward_fp32(student, reference, case):
     check_forward(student, reference, case)
@@ -67,6 +69,7 @@ def test_forward_bf16(student, reference, case):
 
 
 @examples(PROBLEM)
+@example(case=PADDED_HEAD_DIM)
 @given(case=cases(DTYPES))
 def test_logsumexp(student, reference, case):
     """L = log sum_j exp(S_ij), the fifth tensor of ctx.save_for_backward(q, k, v, o, L)."""
@@ -76,6 +79,7 @@ def test_logsumexp(student, reference, case):
 
 
 @examples(PROBLEM)
+@example(case=PADDED_HEAD_DIM)
 @given(case=cases(DTYPES, causal=st.just(False)))
 def test_backward(student, reference, case):
     q, k, v, grad_o = case.inputs()

@@ -195,10 +195,14 @@ def check_backward(student, reference, case: NormCase) -> None:
 
 # No rows (a leading dim of size 0): an empty output, and in the backward an empty grad_x and a zero grad_weight.
 EMPTY_CASE = NormCase((0, 8), torch.float32, "contiguous", "contiguous", "normal", DEFAULT_EPS, 0)
+# One past 2^13, a length a kernel of 8192-wide blocks must cover in two blocks, and past the rows the reference keeps
+# in registers: drawn in every profile (long rows are otherwise one draw in four), with every operand strided.
+LONG_ROW_CASE = NormCase((2, 8193), torch.float32, "row_padded", "sliced", "normal", DEFAULT_EPS, 2, "transposed")
 
 
 @examples(PROBLEM)
 @example(case=EMPTY_CASE)
+@example(case=LONG_ROW_CASE)
 @given(case=norm_cases(shapes(64 * size_scale(), 96 * size_scale(), long_rows=True), torch.float32))
 def test_forward_fp32(student, reference, case):
     check_forward(student, reference, case)
@@ -222,6 +226,7 @@ def test_forward_bf16(student, reference, case):
 @example(case=EMPTY_CASE)
 # Rows of a wider tensor, and an upstream gradient that is not contiguous ("grad_y may have any strides").
 @example(case=NormCase((5, 24), torch.float32, "row_padded", "contiguous", "normal", DEFAULT_EPS, 1, "transposed"))
+@example(case=LONG_ROW_CASE)
 @given(case=norm_cases(shapes(256 * size_scale(), 64 * size_scale(), long_rows=True), torch.float32))
 def test_backward_fp32(student, reference, case):
     """grad_x and grad_weight; up to hundreds of rows, so that grad_weight sums the partials of several programs."""
