@@ -9,8 +9,8 @@ the forward and by the backward, and the gradients of a given upstream dO.
 
 from __future__ import annotations
 
+import contextlib
 import math
-import os
 from dataclasses import dataclass
 
 import pytest
@@ -229,26 +229,21 @@ def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[st
     forbidden = guards.ForbiddenOpRecorder(tuple(forbidden_ops), ALLOWED_OPS if uses_triton else None)
     report = {"saved": None, "lse": None, "ctx_tensors": [], "backward_launches": [], "grads": None}
     triton_hooks.LAUNCHES.reset()
-    if uses_triton:
-        TRAFFIC.start(by_address=os.environ.get("TRITON_INTERPRET") == "1")
-    try:
-        with forbidden, squares:
-            output = module.flash_attention(*inputs, is_causal=is_causal)
-            report["forward_launches"] = list(triton_hooks.LAUNCHES.names)
-            nodes = _function_nodes(output)
-            report["function_nodes"] = len(nodes)
-            if len(nodes) == 1:
-                saved = nodes[0].saved_tensors
-                report["saved"] = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in saved]
-                report["lse"] = saved[4].detach().clone() if len(saved) >= 5 else None
-                report["ctx_tensors"] = _tensor_attributes(nodes[0])
-            if grad_o is not None and isinstance(output, torch.Tensor) and output.requires_grad:
-                triton_hooks.LAUNCHES.reset()
-                output.backward(grad_o)
-                report["backward_launches"] = list(triton_hooks.LAUNCHES.names)
-                report["grads"] = [None if t.grad is None else t.grad.detach() for t in inputs]
-    finally:
-        TRAFFIC.stop()
+    with TRAFFIC.recording() if uses_triton else contextlib.nullcontext(), forbidden, squares:
+        output = module.flash_attention(*inputs, is_causal=is_causal)
+        report["forward_launches"] = list(triton_hooks.LAUNCHES.names)
+        nodes = _function_nodes(output)
+        report["function_nodes"] = len(nodes)
+        if len(nodes) == 1:
+            saved = nodes[0].saved_tensors
+            report["saved"] = [(tuple(t.shape), str(t.dtype).removeprefix("torch.")) for t in saved]
+            report["lse"] = saved[4].detach().clone() if len(saved) >= 5 else None
+            report["ctx_tensors"] = _tensor_attributes(nodes[0])
+        if grad_o is not None and isinstance(output, torch.Tensor) and output.requires_grad:
+            triton_hooks.LAUNCHES.reset()
+            output.backward(grad_o)
+            report["backward_launches"] = list(triton_hooks.LAUNCHES.names)
+            report["grads"] = [None if t.grad is None else t.grad.detach() for t in inputs]
     report["output"] = output.detach() if isinstance(output, torch.Tensor) else output
     report["square_tensors"] = squares.seen
     report["forbidden"] = forbidden.seen

@@ -26,7 +26,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from grader.sandbox.triton_traffic import TRAFFIC
+from grader.sandbox.triton_traffic import TRAFFIC, byte_range
 
 # Attribute on every wrapper that holds the function it replaced; re-installing
 # wraps that original again instead of stacking a second wrapper on top.
@@ -110,16 +110,8 @@ def _tensor_extent(name: str, arg: Any) -> _TensorExtent | None:
         return None
     if tensor.numel() == 0:
         return None
-    itemsize = tensor.element_size()
-    start = end = tensor.data_ptr()
-    for size, stride in zip(tensor.shape, tensor.stride()):
-        span = (size - 1) * stride * itemsize
-        if span < 0:
-            start += span
-        else:
-            end += span
     dtype = str(tensor.dtype).removeprefix("torch.")
-    return _TensorExtent(name, tuple(tensor.shape), dtype, start, end + itemsize)
+    return _TensorExtent(name, tuple(tensor.shape), dtype, *byte_range(tensor))
 
 
 def _collect_extents(name: str, arg: Any, out: list[_TensorExtent]) -> None:
@@ -402,8 +394,9 @@ def _record_launches(original: Callable) -> Callable:
             _NESTING.depth = depth
         if TRAFFIC.active:
             TRAFFIC.note_arguments([(e.start, e.end) for e in _launch_extents([], list(args), kwargs)])
-            ir = getattr(kernel, "asm", {}).get("ttir") if isinstance(getattr(kernel, "asm", None), dict) else None
-            if isinstance(ir, str):  # a compiled kernel (GPU): its blocks, from its Triton IR
+            asm = getattr(kernel, "asm", None)  # a compiled kernel's (GPU) code, by stage
+            ir = asm.get("ttir") if isinstance(asm, dict) else None
+            if isinstance(ir, str):  # its blocks, from its Triton IR
                 TRAFFIC.note_ir(name, ir)
         return kernel
 

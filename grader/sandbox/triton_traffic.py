@@ -20,6 +20,8 @@ interpreter's tensors on CPU, from each compiled kernel's Triton IR on a GPU. Ti
 
 from __future__ import annotations
 
+import contextlib
+import os
 import re
 from typing import Any
 
@@ -67,6 +69,15 @@ class TrafficRecorder:
         self.clear()
         self.active = True
         self.by_address = by_address
+
+    @contextlib.contextmanager
+    def recording(self):
+        """Record inside the block: by address under Triton's interpreter, by launch argument on a GPU."""
+        self.start(by_address=os.environ.get("TRITON_INTERPRET") == "1")
+        try:
+            yield self
+        finally:
+            self.stop()
 
     def clear(self) -> None:
         self.argument_ranges: list[tuple[int, int]] = []

@@ -97,7 +97,9 @@ class Worker:
         # Copies of the tensor inputs, which a correct call leaves as they were: an implementation that writes its
         # result (or scratch) into an input would corrupt its caller's tensor.
         before = {name: a.detach().clone() for name, a in inputs.items() if isinstance(a, torch.Tensor)}
-        with self.watched() as observed:
+        # A Triton problem's call also records what its launches touched: the evidence checked below.
+        traffic = TRAFFIC.recording() if self.allow_only is not None else contextlib.nullcontext()
+        with self.watched() as observed, traffic:
             value = function(*args, **kwargs)
             grads = None
             if grad is not None:
@@ -124,13 +126,8 @@ class Worker:
             self.launches.reset()
         recorder = guards.ForbiddenOpRecorder(self.forbidden_ops, self.allow_only)
         observed = {}
-        if self.allow_only is not None:
-            TRAFFIC.start(by_address=os.environ.get("TRITON_INTERPRET") == "1")
-        try:
-            with recorder:
-                yield observed
-        finally:
-            TRAFFIC.stop()
+        with recorder:
+            yield observed
         observed["launches"] = list(self.launches.names) if self.launches is not None else []
         observed["forbidden"] = recorder.seen
         observed["computed"] = recorder.computed
