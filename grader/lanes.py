@@ -55,7 +55,7 @@ def deal(work_by_problem: dict[str, float], lanes: int) -> list[list[str]]:
 
 def known_seconds(key: str) -> dict[str, float]:
     """Each problem's seconds in the last run in lanes under `key` (profile and device type) on this machine, over
-    those recorded with the project (SHIPPED_TIMES_FILE: the reference on one H200, 16 cores, in four lanes), so that
+    those recorded with the project (SHIPPED_TIMES_FILE: the reference on one H200, 16 cores, in six lanes), so that
     a first run on a GPU host is dealt by time too; {} if neither knows the key."""
     known = {}
     for path in (SHIPPED_TIMES_FILE, TIMES_FILE):
