@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_equal, assert_raises
@@ -26,6 +26,15 @@ FIELDS = ("tokens_per_expert_E", "expert_bias_E")
 # Step sizes, each exactly a float32 (so rounding it first or not cannot matter): the published 1e-3 among them.
 UPDATE_RATES = tuple(float(torch.tensor(rate, dtype=torch.float32)) for rate in (1e-3, 1e-2, 2**-7, 0.25, 0.0))
 SCORE_DTYPES = (torch.float32, torch.float32, torch.bfloat16, torch.float16)
+MAGNITUDES = (1.0, 2.0**-40)
+
+
+def signed_quarters(shape: tuple[int, ...], limit: int, generator: torch.Generator) -> torch.Tensor:
+    """Multiples of 1/4 in [-limit/4, limit/4], a quarter of them (or more) zeros, each zero of a random sign."""
+    quarters_X = torch.randint(-limit, limit + 1, shape, generator=generator) / 4
+    zero_X = torch.rand(shape, generator=generator) < 0.25
+    negative_X = torch.rand(shape, generator=generator) < 0.5
+    return torch.where(zero_X | (quarters_X == 0), torch.where(negative_X, -0.0, 0.0), quarters_X)
 
 
 @dataclass(frozen=True)
@@ -36,7 +45,10 @@ class BalancingCase:
     "ties" draws scores in {0, 1/4, ..., 1} and a bias in {-1/4, -1/8, ..., 1/4}, so many selection scores are
     exactly equal; "cyclic" gives token t score 1 for the k experts perm[(t + j) % E], j < k, and 0 for the others,
     with a bias in (-1/2, 1/2) that cannot change the choice: every expert's load is then within one of the mean,
-    and with T * k divisible by E many loads are exactly at it.
+    and with T * k divisible by E many loads are exactly at it; "signed" draws scores in {-6, -23/4, ..., 6} and a
+    bias in {-1/2, ..., 1/2}, every zero among them signed at random (-0.0 equals 0.0: a tie), all times
+    `magnitude`: beyond +-2 a score's float32 bits use all 31 bits of an int32, and at magnitude 2**-40 scores
+    differ by far less than an ulp of 1.
     """
 
     tokens: int
@@ -47,6 +59,7 @@ class BalancingCase:
     scores_dtype: torch.dtype = torch.float32
     layout: str = "contiguous"
     seed: int = 0
+    magnitude: float = 1.0
 
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         generator = torch.Generator().manual_seed(self.seed)
@@ -54,6 +67,9 @@ class BalancingCase:
         if self.values == "affinities":
             scores_TE = torch.sigmoid(2 * torch.randn(shape, generator=generator))
             bias_E = 0.05 * torch.randn(self.experts, generator=generator)
+        elif self.values == "signed":
+            scores_TE = signed_quarters(shape, 24, generator) * self.magnitude
+            bias_E = signed_quarters((self.experts,), 2, generator) * self.magnitude
         elif self.values == "ties":
             scores_TE = torch.randint(0, 5, shape, generator=generator) / 4
             bias_E = torch.randint(-2, 3, (self.experts,), generator=generator) / 8
@@ -67,13 +83,14 @@ class BalancingCase:
 
     def describe(self) -> str:
         return (
-            f"T={self.tokens}, E={self.experts}, k={self.k}, update_rate={self.update_rate!r}, values={self.values}, "
+            f"T={self.tokens}, E={self.experts}, k={self.k}, update_rate={self.update_rate!r}, values={self.values}"
+            f"{f' times {self.magnitude!r}' if self.magnitude != 1.0 else ''}, "
             f"scores_TE {dtype_name(self.scores_dtype)} {self.layout}, expert_bias_E float32, seed={self.seed}"
         )
 
 
 @st.composite
-def balancing_cases(draw, values: tuple[str, ...] = ("affinities", "ties", "cyclic")) -> BalancingCase:
+def balancing_cases(draw, values: tuple[str, ...] = ("affinities", "ties", "cyclic", "signed")) -> BalancingCase:
     kind = draw(st.sampled_from(values))
     experts = draw(dims(64 * min(size_scale(), 4), tiles=(8, 16, 32, 64)))
     k = draw(st.integers(1, experts))
@@ -91,6 +108,7 @@ def balancing_cases(draw, values: tuple[str, ...] = ("affinities", "ties", "cycl
         scores_dtype=draw(st.sampled_from(SCORE_DTYPES)),
         layout=draw(st.sampled_from(LAYOUTS)),
         seed=draw(st.integers(0, 2**31 - 1)),
+        magnitude=draw(st.sampled_from(MAGNITUDES)) if kind == "signed" else 1.0,
     )
 
 
@@ -106,6 +124,10 @@ def check_step(student, reference, case: BalancingCase, names: tuple[str, ...]) 
 
 
 @examples(PROBLEM)
+# Signed scores beyond +-2 with signed zeros, and the same scaled far below an ulp of 1, in every profile.
+@example(case=BalancingCase(tokens=24, experts=8, k=3, update_rate=UPDATE_RATES[0], values="signed", seed=1))
+@example(case=BalancingCase(tokens=24, experts=8, k=3, update_rate=UPDATE_RATES[0], values="signed", seed=1,
+                            magnitude=2.0**-40))
 @given(case=balancing_cases())
 def test_loads(student, reference, case):
     check_step(student, reference, case, ("tokens_per_expert_E",))

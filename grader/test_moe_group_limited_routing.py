@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_equal, assert_raises, inputs_if_small
@@ -29,6 +29,7 @@ PROBLEM = BY_ID["moe.group_limited_routing"]
 FIELDS = ("group_index_TM", "expert_index_TK", "gate_TK")
 LOGIT_SCALES = (0.25, 1.0, 4.0, 12.0)
 ROUTE_SCALES = (1.0, 2.5)
+X_OFFSETS = (0, -40)
 DTYPES = (torch.float32, torch.float32, torch.bfloat16, torch.float16)
 
 
@@ -46,7 +47,8 @@ class GroupCase:
     `tokens` of twice as many drawn tokens whose choices are not nearly tied: the M + 1 best group scores, and the
     k + 1 best affinities within the kept groups, are clearly ordered. "identity" draws x in [0, 3] with the
     identity as weight (D == E): logits are the integers 0 to 3, so equal affinities and equal group scores are
-    exactly equal and different ones far apart.
+    exactly equal and different ones far apart; x_offset shifts them (-40: affinities of 4e-18 to 9e-17, which
+    differ by far less than an ulp of 1).
     """
 
     tokens: int
@@ -63,6 +65,7 @@ class GroupCase:
     weight_layout: str = "contiguous"
     logit_scale: float = 1.0
     seed: int = 0
+    x_offset: int = 0
 
     @property
     def experts(self) -> int:
@@ -76,7 +79,7 @@ class GroupCase:
             weight_ED = torch.randn(self.experts, self.width, generator=generator, dtype=torch.float64)
             weight_ED = weight_ED * (self.logit_scale / self.width**0.5)
         else:
-            x_TD = torch.randint(0, 4, (self.tokens, self.experts), generator=generator).double()
+            x_TD = torch.randint(0, 4, (self.tokens, self.experts), generator=generator).double() + self.x_offset
             weight_ED = torch.eye(self.experts, dtype=torch.float64)
         x_TD = x_TD.to(self.x_dtype).double()
         weight_ED = weight_ED.to(self.weight_dtype).double()
@@ -108,6 +111,8 @@ class GroupCase:
         values = self.values
         if values == "normal":
             values = f"normal with logit scale {self.logit_scale:g}, of {2 * self.tokens} tokens those not nearly tied"
+        elif self.x_offset:
+            values = f"identity, x_TD in [{self.x_offset}, {self.x_offset + 3}]"
         return (
             f"T={x_TD.shape[0]}, D={self.width}, E={self.experts} in G={self.num_groups} groups of "
             f"S={self.group_size}, M={self.groups_per_token}, k={self.k}, route_scale={self.route_scale:g}, "
@@ -137,6 +142,7 @@ def group_cases(draw, values: str = "normal") -> GroupCase:
         weight_layout=draw(st.sampled_from(LAYOUTS)),
         logit_scale=draw(st.sampled_from(LOGIT_SCALES)),
         seed=draw(st.integers(0, 2**31 - 1)),
+        x_offset=draw(st.sampled_from(X_OFFSETS)) if values == "identity" else 0,
     )
 
 
@@ -207,6 +213,9 @@ def test_gates(student, reference, case):
 
 
 @examples(PROBLEM)
+# Affinities far below an ulp of 1, in every profile.
+@example(case=GroupCase(tokens=12, width=8, num_groups=4, group_size=2, groups_per_token=2, k=3, route_scale=1.0,
+                        values="identity", x_offset=-40))
 @given(case=group_cases(values="identity"))
 def test_tie_breaking(student, reference, case):
     """Exactly equal group scores and affinities: the lower group index and the lower expert index rank first."""

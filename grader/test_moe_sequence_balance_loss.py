@@ -241,6 +241,8 @@ INVALID = [
     invalid((2, 2, 3), [[[0], [1]]], id="B-mismatch"),
     invalid((0, 2, 3), [], id="B=0"),
     invalid((2, 3), [[0], [1]], id="2-D"),
+    # Only the indices 2-D, shaped like the logits' [B, T]: no later shape check sees it.
+    invalid((1, 2, 3), [[0, 1]], id="2-D-indices"),
     invalid((1, 2, 3), [[[0], [1]]], logits_dtype=torch.int64, error="TypeError", id="int64-logits"),
     invalid((1, 2, 3), [[[0], [1]]], index_dtype=torch.int32, error="TypeError", id="int32-indices"),
 ]

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, example, given, strategies as st
 
 from assignment.registry import BY_ID
 from grader.compare import assert_equal, assert_raises, inputs_if_small
@@ -42,7 +42,8 @@ class SigmoidCase:
     standard deviation bias_std, and keeps the first `tokens` of twice as many drawn tokens whose selection
     scores are not nearly tied; "integers" draws x in [-2, 2], weight in [-1, 1] (D <= 4, so logits in [-8, 8]) and
     a bias in {-1, 0, 1} (zero when bias_std is 0): equal selection scores are exactly equal, different ones far
-    apart.
+    apart; "saturated" is "integers" with the weight times 1000, so every affinity is exactly 0, 1/2 or 1 and many
+    selection scores are exactly 0.
     """
 
     tokens: int
@@ -70,6 +71,7 @@ class SigmoidCase:
         else:
             x_TD = torch.randint(-2, 3, (self.tokens, self.width), generator=generator).double()
             weight_ED = torch.randint(-1, 2, (self.experts, self.width), generator=generator).double()
+            weight_ED = weight_ED * (1000 if self.values == "saturated" else 1)
             bias_E = torch.randint(-1, 2, (self.experts,), generator=generator).double() * (self.bias_std > 0)
         x_TD = x_TD.to(self.x_dtype).double()
         weight_ED = weight_ED.to(self.weight_dtype).double()
@@ -91,15 +93,18 @@ class SigmoidCase:
             bias_E.float().to(device),
         )
 
+    def route_scale_described(self) -> str:
+        return "route_scale left at its default" if self.route_scale == 1.0 else f"route_scale={self.route_scale:g}"
+
     def describe(self, x_TD: torch.Tensor) -> str:
         values = self.values
         if values == "normal":
             values = (f"normal with logit scale {self.logit_scale:g} and bias std {self.bias_std:g}, of "
                       f"{2 * self.tokens} tokens those not nearly tied")
         elif self.bias_std == 0:
-            values = "integers, zero bias"
+            values = f"{values}, zero bias"
         return (
-            f"T={x_TD.shape[0]}, D={self.width}, E={self.experts}, k={self.k}, route_scale={self.route_scale:g}, "
+            f"T={x_TD.shape[0]}, D={self.width}, E={self.experts}, k={self.k}, {self.route_scale_described()}, "
             f"values={values}, x_TD {dtype_name(self.x_dtype)} {self.x_layout}, "
             f"router_weight_ED {dtype_name(self.weight_dtype)} {self.weight_layout}, expert_bias_E float32, "
             f"seed={self.seed}"
@@ -116,7 +121,7 @@ def sigmoid_cases(
     x_dtype, weight_dtype = draw(dtypes)
     return SigmoidCase(
         tokens=draw(dims(64 * size_scale())),
-        width=draw(dims(4)) if values == "integers" else draw(dims(48 * size_scale())),
+        width=draw(dims(48 * size_scale())) if values == "normal" else draw(dims(4)),
         experts=experts,
         k=draw(st.integers(1, experts)),
         route_scale=draw(st.sampled_from(ROUTE_SCALES)),
@@ -143,7 +148,9 @@ class Routing:
         self.student, self.reference, self.case = student, reference, case
         self.x_TD, self.weight_ED, self.bias_E = case.inputs()
         self.context = case.describe(self.x_TD)
-        self.args = (self.x_TD, self.weight_ED, self.bias_E, case.k, case.route_scale)
+        # route_scale 1.0 is left out of the call: the contract's default is then what is graded.
+        scale_argument = () if case.route_scale == 1.0 else (case.route_scale,)
+        self.args = (self.x_TD, self.weight_ED, self.bias_E, case.k, *scale_argument)
         with student.describing(self.context):
             value = student.call("sigmoid_route", *self.args)
         self.actual = returned_fields(value, FIELDS, "sigmoid_route", self.context)
@@ -191,7 +198,9 @@ def test_indices_and_gates(student, reference, case):
 
 
 @examples(PROBLEM)
-@given(case=sigmoid_cases(values="integers"))
+# Selection scores of exactly 0 beside positive and negative ones, in every profile.
+@example(case=SigmoidCase(tokens=16, width=4, experts=6, k=2, route_scale=1.0, bias_std=0.02, values="saturated"))
+@given(case=st.sampled_from(("integers", "saturated")).flatmap(lambda values: sigmoid_cases(values=values)))
 def test_tie_breaking(student, reference, case):
     """Exactly equal selection scores: the lower expert index ranks first."""
     routing = Routing(student, reference, case)

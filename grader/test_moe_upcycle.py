@@ -204,6 +204,7 @@ INVALID = [
     pytest.param(_weights(), 4, -0.02, 0, "ValueError", id="negative-std"),
     pytest.param(_weights(), 4, float("nan"), 0, "ValueError", id="nan-std"),
     pytest.param(_weights(), 4, 0.02, -1, "ValueError", id="negative-seed"),
+    pytest.param(_weights(), 4, 0.02, 2**63, "ValueError", id="seed-2**63"),
     pytest.param(_weights(down=(3, 4)), 4, 0.02, 0, "ValueError", id="down-not-DH"),
     pytest.param(_weights(up=(3, 5)), 4, 0.02, 0, "ValueError", id="up-mismatch"),
     pytest.param(_weights(gate=(12,)), 4, 0.02, 0, "ValueError", id="1-D-gate"),
