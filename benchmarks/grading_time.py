@@ -2,7 +2,8 @@
 implementation and profile, on this machine.
 
     python benchmarks/grading_time.py [--impl reference] [--profiles ci,public,grading]
-        [--problems kernels.softmax,moe.router] [--modes problems,whole] [--timeout-scale 1] [--jobs 1] [--compare]
+        [--problems kernels.softmax,moe.router] [--modes problems,whole] [--timeout-scale 1] [--jobs 1] [--lanes 1]
+        [--compare]
 
 Every run is `python -m pytest ... --results-json` in a subprocess, timed from start to exit; scores and test counts
 come from its results file. The grading profile runs with a fixed benchmark seed. Records go to
@@ -10,6 +11,9 @@ benchmarks/results/grading_time.json, keyed by machine, implementation and profi
 is kept as the new one's "before", which --compare prints next to it; a run over some problems replaces their rows and
 keeps the others', each row naming the revision it was measured at), and every record is rendered into
 benchmarks/results/grading_time.md.
+
+On a GPU host, where one run over every problem takes minutes, `--modes whole --lanes 6` grades the problems in six
+concurrent lanes (what `pytest grader --jobs 6` does) and records each problem's span within that run.
 """
 
 from __future__ import annotations
@@ -43,9 +47,11 @@ WHOLE = "whole"  # the row of the one run over every selected problem
 MODES = ("problems", WHOLE)
 
 
-def pytest_command(targets: list[str], impl: str, profile: str, timeout_scale: float, results: Path) -> list[str]:
+def pytest_command(targets: list[str], impl: str, profile: str, timeout_scale: float, results: Path,
+                   lanes: int) -> list[str]:
     return [sys.executable, "-m", "pytest", *targets, "-q", "-p", "no:cacheprovider", "--impl", impl,
-            "--profile", profile, "--timeout-scale", str(timeout_scale), "--results-json", str(results)]
+            "--profile", profile, "--timeout-scale", str(timeout_scale), "--results-json", str(results),
+            "--jobs", str(lanes)]
 
 
 def grader_environment(profile: str) -> dict[str, str]:
@@ -56,10 +62,11 @@ def grader_environment(profile: str) -> dict[str, str]:
     return environment
 
 
-def timed_grade(targets: list[str], results: Path, impl: str, profile: str, timeout_scale: float) -> dict:
+def timed_grade(targets: list[str], results: Path, impl: str, profile: str, timeout_scale: float,
+                lanes: int = 1) -> dict:
     """One grader run: its wall time, exit status and, where it wrote results, score and tests by status."""
     started = time.monotonic()
-    done = subprocess.run(pytest_command(targets, impl, profile, timeout_scale, results), cwd=ROOT,
+    done = subprocess.run(pytest_command(targets, impl, profile, timeout_scale, results, lanes), cwd=ROOT,
                           capture_output=True, text=True, env=grader_environment(profile))
     row = {"wall_s": round(time.monotonic() - started, 2), "exit_status": done.returncode}
     if not results.exists():
@@ -82,11 +89,11 @@ def whole_targets(problems: list[str]) -> list[str]:
 
 
 def measure(problems: list[str], modes: list[str], impl: str, profile: str, timeout_scale: float,
-            jobs: int) -> dict:
+            jobs: int, lanes: int) -> dict:
     rows = {}
     with tempfile.TemporaryDirectory() as scratch:
-        def grade(row_name: str, targets: list[str]) -> tuple[str, dict]:
-            row = timed_grade(targets, Path(scratch) / f"{row_name}.json", impl, profile, timeout_scale)
+        def grade(row_name: str, targets: list[str], lanes: int = 1) -> tuple[str, dict]:
+            row = timed_grade(targets, Path(scratch) / f"{row_name}.json", impl, profile, timeout_scale, lanes)
             print(f"{impl} {profile} {row_name}: {row_cells(row)}", flush=True)
             return row_name, row
 
@@ -94,7 +101,7 @@ def measure(problems: list[str], modes: list[str], impl: str, profile: str, time
             with ThreadPoolExecutor(max_workers=jobs) as pool:
                 rows.update(pool.map(grade, problems, [[BY_ID[p].test_module] for p in problems]))
         if WHOLE in modes:  # alone, after the others: no problem's run overlaps it
-            rows.update([grade(WHOLE, whole_targets(problems))])
+            rows.update([grade(WHOLE, whole_targets(problems), lanes)])
             rows[WHOLE]["problems"] = len(problems)
     at = revision()
     return {name: {**row, "revision": at} for name, row in rows.items()}
@@ -147,7 +154,8 @@ def section(record: dict) -> list[str]:
         "",
         f"torch {description['torch']}, triton {description['triton']}, python {description['python']}; "
         f"{record['date']}, revision {revisions(record)}; isolation {isolation or 'unknown'}; "
-        f"timeout scale {record['timeout_scale']:g}; per-problem runs {record['jobs']} at a time",
+        f"timeout scale {record['timeout_scale']:g}; per-problem runs {record['jobs']} at a time; the whole run in "
+        f"{record.get('lanes', 1)} lane(s)",
         "",
         "| problem | score | tests (passed/failed/skipped) | wall s |",
         "| --- | --- | --- | --- |",
@@ -228,6 +236,8 @@ def main() -> None:
     parser.add_argument("--timeout-scale", type=float, default=1.0, help="passed to the grader")
     parser.add_argument("--jobs", type=int, default=1,
                         help="per-problem runs at once; above 1 they slow each other and the times say less")
+    parser.add_argument("--lanes", type=int, default=1,
+                        help="the whole run's --jobs: its problems in this many concurrent lanes (grader/lanes.py)")
     parser.add_argument("--compare", action="store_true", help="print before vs after for the records replaced")
     args = parser.parse_args()
     problems, profiles, modes = args.problems.split(","), args.profiles.split(","), args.modes.split(",")
@@ -236,14 +246,15 @@ def main() -> None:
     if unknown:
         parser.error(f"unknown problems, profiles or modes: {', '.join(unknown)}")
     date, at = datetime.date.today().isoformat(), revision()  # of the code measured, should it change meanwhile
-    measured = {profile: measure(problems, modes, args.impl, profile, args.timeout_scale, args.jobs)
+    measured = {profile: measure(problems, modes, args.impl, profile, args.timeout_scale, args.jobs, args.lanes)
                 for profile in profiles}
     description = machine()
     records = json.loads(RESULTS_JSON.read_text()) if RESULTS_JSON.exists() else {}
     by_profile = records.setdefault(machine_key(description), {}).setdefault(args.impl, {})
     for profile, rows in measured.items():
         record = {"machine": description, "impl": args.impl, "profile": profile, "date": date, "revision": at,
-                  "timeout_scale": args.timeout_scale, "jobs": args.jobs, "problems": problems, "rows": rows}
+                  "timeout_scale": args.timeout_scale, "jobs": args.jobs, "lanes": args.lanes, "problems": problems,
+                  "rows": rows}
         if profile in by_profile:
             earlier = by_profile[profile]
             record["before"] = {key: value for key, value in earlier.items() if key != "before"}
