@@ -1,5 +1,6 @@
-"""Command line: `python -m grader submit` (one submission), `python -m grader grade-all` (a whole class) and
-`python -m grader check-isolation` (which sandbox student code gets on this machine).
+"""Command line: `python -m grader submit` (one submission), `python -m grader grade-all` (a whole class),
+`python -m grader gradescope OUT.zip` (a Gradescope autograder) and `python -m grader check-isolation` (which
+sandbox student code gets on this machine).
 
 Both run on Slurm through submitit when `sbatch` is on the PATH, and through submitit's local executor otherwise
 (`--executor` chooses explicitly).
@@ -13,6 +14,7 @@ import sys
 from pathlib import Path
 
 from assignment.registry import problem_ids
+from grader import gradescope
 from grader.cluster.jobs import ClusterOptions, default_executor
 
 
@@ -92,10 +94,16 @@ def main(argv: list[str] | None = None) -> int:
     add_common(all_parser)
 
     commands.add_parser("check-isolation", help="say which sandbox student code would get on this machine, and why")
+    gradescope.add_command(commands)
 
     args = parser.parse_args(argv)
     if args.command == "check-isolation":
         return check_isolation()
+    if args.command == "gradescope":
+        try:
+            return gradescope.build_command(args)
+        except ValueError as error:
+            parser.error(str(error))
     if args.isolation == "none" and not args.allow_unisolated:
         parser.error("--isolation none lets student code read and rewrite results: add --allow-unisolated to insist")
     try:
