@@ -357,8 +357,8 @@ def test_collective_pattern(ranks, world_size, data):
 
 
 def construct_invalid(student, rank: int, world_size: int) -> dict:
-    """Runs in a rank process: each constructor with a size that does not divide by the world size, and the
-    attention with one wrongly shaped projection (the other one right)."""
+    """Runs in a rank process: each constructor with a size that does not divide by the world size, the attention
+    with one wrongly shaped projection (the other one right), and one whose width does not divide by its heads."""
     n = world_size
     attempts = {
         "ColumnParallelLinear(Linear(4, 2N+1)): the size does not divide by N": lambda: student.ColumnParallelLinear(
@@ -373,6 +373,9 @@ def construct_invalid(student, rank: int, world_size: int) -> dict:
         "TensorParallelAttention(Linear(2N, 6N), Linear(2N, 2N+1), num_heads=N): proj is not D -> D": lambda: (
             student.TensorParallelAttention(torch.nn.Linear(2 * n, 6 * n), torch.nn.Linear(2 * n, 2 * n + 1), n,
                                             False)),
+        "TensorParallelAttention(Linear(4N+2, 12N+6), Linear(4N+2, 4N+2), num_heads=2N): D does not divide by the "
+        "heads": lambda: student.TensorParallelAttention(torch.nn.Linear(4 * n + 2, 12 * n + 6),
+                                                         torch.nn.Linear(4 * n + 2, 4 * n + 2), 2 * n, False),
     }
     return raised_by(attempts)
 
