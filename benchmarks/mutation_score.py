@@ -1,7 +1,7 @@
 """How many small bugs the grader catches: mutants of each reference module, each graded on its own problem.
 
     python benchmarks/mutation_score.py [--problems kernels.gelu,moe.router] [--per-problem 20] [--jobs 2]
-        [--profile ci] [--timeout 300] [--deadline SECONDS] [--seed 0] [--out FILE]
+        [--profile ci] [--timeout 300] [--deadline SECONDS] [--skip N] [--seed 0] [--out FILE]
 
 A mutant is the reference module with one change made by a small AST mutator (mutation_points: an arithmetic or
 comparison operator swapped, a boolean operator or constant flipped, a negation dropped, an integer moved by one).
@@ -13,7 +13,8 @@ given profile, in a subprocess.
 A mutant is killed when any of its problem's tests fails, crashes or times out inside the grader, survives when all
 pass, and times out when the whole run exceeds --timeout. Mutants are graded round-robin over the problems (each
 problem's first, then each one's second, ...), so that with --deadline (no mutant starts after it) every problem
-gets its share. The results go to benchmarks/results/mutation_score.md: per problem the counts and score, then every
+gets its share; a later run with --skip N (N: how many mutants of each problem the earlier one graded) grades those
+it did not reach. The results go to benchmarks/results/mutation_score.md: per problem the counts and score, then every
 survivor's diff, for review. A survivor is either equivalent (the change cannot alter any result the contract pins:
 say why in the review) or a gap that needs a check.
 """
@@ -194,7 +195,8 @@ def render(verdicts: list[Verdict], problems: list[str], args: argparse.Namespac
         "of the problem failed; survived: every test passed. Every survivor is listed below with its diff, for review.",
         "",
         f"{describe_machine()}; profile {args.profile}; at most {args.per_problem} mutants a problem (seed "
-        f"{args.seed}); {args.jobs} at a time; {seconds / 60:.0f} min.",
+        f"{args.seed}{f', the first {args.skip} left out' if args.skip else ''}); {args.jobs} at a time; "
+        f"{seconds / 60:.0f} min.",
         "",
         "| problem | mutants | killed | survived | timed out | invalid | not run | killed of valid |",
         "| --- | --- | --- | --- | --- | --- | --- | --- |",
@@ -227,6 +229,8 @@ def main() -> None:
     parser.add_argument("--profile", default="ci")
     parser.add_argument("--timeout", type=float, default=300.0)
     parser.add_argument("--deadline", type=float, default=None, help="start no mutant after this many seconds")
+    parser.add_argument("--skip", type=int, default=0,
+                        help="leave out each problem's first N mutants (graded by an earlier run with --deadline)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=RESULTS_MD)
     args = parser.parse_args()
@@ -239,7 +243,7 @@ def main() -> None:
         source, mutants = mutants_of(problem_id, args.per_problem, args.seed)
         # The unparsed module unchanged first: it must survive, or the problem's mutants say nothing.
         queues.append([(problem_id, source, source, BASELINE)] +
-                      [(problem_id, source, mutated, point) for point, mutated in mutants])
+                      [(problem_id, source, mutated, point) for point, mutated in mutants[args.skip:]])
     work = [queue[i] for i in range(max(map(len, queues), default=0)) for queue in queues if i < len(queue)]
     started = time.monotonic()
 
