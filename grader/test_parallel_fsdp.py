@@ -40,7 +40,8 @@ DTYPES = {None: torch.float32, "bfloat16": torch.bfloat16}
 
 
 class Block(torch.nn.Module):
-    """second(tanh(first(x))), memory probed between the two layers (while the unit's parameters are gathered)."""
+    """second(tanh(first(x))), memory probed between the two layers (while the unit's parameters are gathered).
+    With also_rows it returns (that, its row count as an int64 tensor): a unit output that needs no gradient."""
 
     def __init__(self, d_in: int, d_out: int):
         super().__init__()
@@ -48,13 +49,16 @@ class Block(torch.nn.Module):
         self.second = torch.nn.Linear(d_out, d_out)
         self.memory: MemoryProbe | None = None
         self.where = ""
+        self.also_rows = False
 
     def forward(self, x):
-        return self.second(probe_point(torch.tanh(self.first(x)), self.memory, f"inside {self.where}"))
+        y = self.second(probe_point(torch.tanh(self.first(x)), self.memory, f"inside {self.where}"))
+        return (y, torch.full((), x.shape[0], device=x.device)) if self.also_rows else y
 
 
 class Stack(torch.nn.Module):
-    """Blocks registered as direct children (the units), tanh between them."""
+    """Blocks registered as direct children (the units), tanh between them. The "frozen" variant freezes two
+    parameters, and its block1 also returns its row count (an output that needs no gradient)."""
 
     def __init__(self, widths: list[int], variant: str):
         super().__init__()
@@ -64,6 +68,7 @@ class Stack(torch.nn.Module):
         if variant == "frozen":
             self.block1.first.bias.requires_grad_(False)
             self.block0.second.weight.requires_grad_(False)
+            self.block1.also_rows = True
         if variant == "tied":
             self.block2.second.weight = self.block0.second.weight
         self.memory: MemoryProbe | None = None
@@ -77,6 +82,7 @@ class Stack(torch.nn.Module):
     def forward(self, x):
         for index in range(self.count):
             x = getattr(self, f"block{index}")(x)
+            x = x[0] if isinstance(x, tuple) else x
             if index < self.count - 1:
                 x = probe_point(torch.tanh(x), self.memory, f"after block{index}")
         return x

@@ -53,7 +53,8 @@ class FSDP(torch.nn.Module):
         floating-point tensor arguments are cast to compute_dtype before its forward, the unit computes and returns
         compute_dtype, its flat gradient is reduce-scattered in compute_dtype and the average is cast to float32
         into the shard's `.grad`.
-      * `forward` returns what `module` returns.
+      * `forward` returns what `module` returns. A unit may return a tuple of tensors, some of which need no
+        gradient (an integer count, say): only those that require grad lead to its backward.
       * Do not use torch's FSDP, DDP, DTensor or torch.distributed.tensor.
     """
 
