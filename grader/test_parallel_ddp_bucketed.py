@@ -235,6 +235,16 @@ def limit_at_equality() -> dict:
     return {**config, "bucket_size_mb": (sizes[0] + sizes[1]) / BYTES_PER_MB}  # exact: a power-of-two divisor
 
 
+def limit_at_equality_after_a_bucket() -> dict:
+    """The same model with a limit of the third and fourth parameters' sizes together (16 + 16 bytes): the first two
+    fill a bucket each, the next two share one exactly at the limit. A bucket that starts counting anywhere but 0
+    bytes after the first one closed splits them."""
+    config = {"seed": 11, "width": 5, "hidden": 4, "outputs": 3, "rows_per_rank": 2, "float64_layers": ()}
+    model = make_model(0, config)
+    sizes = [p.numel() * p.element_size() for p in reversed(list(model.parameters())) if p.requires_grad]
+    return {**config, "bucket_size_mb": (sizes[2] + sizes[3]) / BYTES_PER_MB}  # exact: a power-of-two divisor
+
+
 def float64_first_and_last() -> dict:
     """A config whose first and last layers are float64, the two between float32, and whose bucket limit exceeds the
     whole model: only the dtype rule splits it, into [last] float64, [again.bias, middle] float32 and [first.weight]
@@ -295,6 +305,7 @@ def test_matches_single_process(ranks, world_size, config):
 @examples(PROBLEM, shrink=False)
 @given(config=configs())
 @example(config=limit_at_equality())
+@example(config=limit_at_equality_after_a_bucket())
 @example(config=float64_first_and_last())
 def test_bucket_partition(ranks, world_size, config):
     results = run_training(ranks, world_size, config)

@@ -41,7 +41,9 @@ DTYPES = {None: torch.float32, "bfloat16": torch.bfloat16}
 
 class Block(torch.nn.Module):
     """second(tanh(first(x))), memory probed between the two layers (while the unit's parameters are gathered).
-    With also_rows it returns (that, its row count as an int64 tensor): a unit output that needs no gradient."""
+    With also_rows it returns (that, its row count as an int64 tensor): a unit output that needs no gradient. Its
+    second argument, the row count as an int64 tensor, must reach it as it was given: only floating-point arguments
+    are cast to compute_dtype."""
 
     def __init__(self, d_in: int, d_out: int):
         super().__init__()
@@ -51,7 +53,10 @@ class Block(torch.nn.Module):
         self.where = ""
         self.also_rows = False
 
-    def forward(self, x):
+    def forward(self, x, rows=None):
+        if rows is not None and rows.dtype != torch.int64:
+            raise TypeError(f"{self.where} received its int64 row count as {rows.dtype}: only a unit's floating-point "
+                            "arguments are cast to compute_dtype")
         y = self.second(probe_point(torch.tanh(self.first(x)), self.memory, f"inside {self.where}"))
         return (y, torch.full((), x.shape[0], device=x.device)) if self.also_rows else y
 
@@ -81,7 +86,7 @@ class Stack(torch.nn.Module):
 
     def forward(self, x):
         for index in range(self.count):
-            x = getattr(self, f"block{index}")(x)
+            x = getattr(self, f"block{index}")(x, torch.full((), x.shape[0], device=x.device))
             x = x[0] if isinstance(x, tuple) else x
             if index < self.count - 1:
                 x = probe_point(torch.tanh(x), self.memory, f"after block{index}")
