@@ -279,14 +279,15 @@ def probe_and_expect(student, reference, case: AttentionCase, q, k, v, grad_o=No
                      uses_triton: bool = False) -> tuple[dict, "Expected"]:
     """The probe's report on the student's module and what the case must give, computed at the same time."""
     return _probe_beside(student, case, q, k, v, grad_o, uses_triton,
-                         lambda: expected(reference, case, q, k, v, grad_o))
+                         lambda: reference.computed(expected, case, q, k, v, grad_o))
 
 
 def call_and_expect(student, reference, case: AttentionCase, q, k, v) -> tuple:
     """flash_attention(q, k, v) of the student's module, is_causal left at its default (False, pinned), and what it
     must give."""
     with student.describing(case.describe()):
-        reply, want = student.call_beside(lambda: expected(reference, case, q, k, v), "flash_attention", q, k, v)
+        reply, want = student.call_beside(lambda: reference.computed(expected, case, q, k, v), "flash_attention",
+                                          q, k, v)
     return reply["value"], want
 
 
@@ -305,6 +306,7 @@ class Expected:
 
 
 def expected(reference, case: AttentionCase, q, k, v, grad_o=None) -> Expected:
+    """Called through reference.computed: the probe looks into the reference's autograd node (grader.budget)."""
     q64, k64, v64 = (t.detach().double().requires_grad_(True) for t in (q, k, v))
     output64, lse64 = reference.flash_attention_torch(q64, k64, v64, case.is_causal)
     want = Expected(output64.detach(), lse64.detach(), probe(reference, q, k, v, case.is_causal, grad_o))

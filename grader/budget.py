@@ -13,7 +13,10 @@ import functools
 import time
 import types
 
+import torch
+
 from assignment.registry import REFERENCE_TIME_MULTIPLE as REFERENCE_MULTIPLE
+from grader import expectations
 
 
 class TestBudget:
@@ -69,9 +72,10 @@ class TimedReference:
     Classes and constants pass through untouched (wrapping a class would break isinstance and subclassing); a class's
     methods are not counted, which only leaves the floor for tests that use them."""
 
-    def __init__(self, module: types.ModuleType, problem_id: str):
+    def __init__(self, module: types.ModuleType, problem_id: str, recording: bool = False):
         self._module = module
         self._problem_id = problem_id
+        self._recording = recording  # store each call's inputs and what came of them (grader.expectations)
 
     def __getattr__(self, name: str):
         value = getattr(self._module, name)
@@ -80,18 +84,64 @@ class TimedReference:
 
         @functools.wraps(value)
         def timed(*args, **kwargs):
+            if self._recording:
+                result, seconds = expectations.record(name, value, args, kwargs)
+                _count(name, seconds)
+                return result
             started = time.monotonic()
             try:
                 return value(*args, **kwargs)
             finally:
-                if _active is not None:
-                    _active.add_reference_time(name, time.monotonic() - started)
+                _count(name, time.monotonic() - started)
 
         return timed
+
+    def computed(self, function, *args):
+        """function(reference module, *args), as one call: recorded and replayed whole (grader.expectations), for
+        grader code that inspects the reference's own autograd graph, which a recorded call's value does not carry.
+        Its calls of the reference are timed as any."""
+        if not self._recording:
+            return function(self, *args)
+        result, seconds = expectations.record(function.__qualname__, lambda *a: function(self._module, *a), args, {})
+        _count(function.__qualname__, seconds)
+        return result
 
     def __repr__(self) -> str:
         # Hypothesis prints a failing test's arguments: name the problem, not the reference's path.
         return f"<reference {self._problem_id}>"
+
+
+class ReplayedReference:
+    """The reference's functions as the stored expectations remember them: each call returns the recorded value
+    for the same inputs (grader.expectations), and counts the seconds the reference took for it when recorded."""
+
+    def __init__(self, problem_id: str):
+        self._problem_id = problem_id
+
+    def __getattr__(self, name: str):
+        if name.startswith("_"):  # hypothesis's printer asks for _repr_pretty_; no reference function is private
+            raise AttributeError(name)
+
+        def replayed(*args, **kwargs):
+            device = next((t.device for t in expectations.plain_tensors((args, kwargs))), torch.device("cpu"))
+            result, seconds = expectations.replay(name, args, kwargs, device)
+            _count(name, seconds)
+            return result
+
+        replayed.__name__ = name
+        return replayed
+
+    def computed(self, function, *args):
+        """What TimedReference.computed recorded for function(reference, *args)."""
+        return getattr(self, function.__qualname__)(*args)
+
+    def __repr__(self) -> str:
+        return f"<reference {self._problem_id}>"
+
+
+def _count(function: str, seconds: float) -> None:
+    if _active is not None:
+        _active.add_reference_time(function, seconds)
 
 
 def untimed(reference) -> types.ModuleType:

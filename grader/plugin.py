@@ -18,7 +18,7 @@ import torch
 
 from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
-from grader import backend, budget, lanes, outer_timeout, profiles, reference_lock, seal, stubs
+from grader import backend, budget, expectations, lanes, outer_timeout, profiles, reference_lock, seal, stubs
 from grader.cluster.snapshot import snapshot
 from grader.distributed.launcher import RankJob, launcher_for
 from grader.context import Context, current, secret_seed, set_current, take_secret_seed
@@ -43,6 +43,7 @@ PROGRESS = pytest.StashKey[Progress]()
 ALL_STUBS = pytest.StashKey[dict]()
 # Per problem: when its first test started and its last one ended (wall clock, for the results file).
 PROBLEM_SPAN = pytest.StashKey[dict]()
+EXPECTATIONS = pytest.StashKey[expectations.Store | None]()
 # Set when the tests ran in lanes (--jobs): the parent then prints every failure it shows itself.
 GRADED_IN_LANES = pytest.StashKey[bool]()
 
@@ -80,6 +81,12 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="implementation to grade: a directory or an importable package (env GRADER_IMPL)")
     group.addoption("--reference", default=os.environ.get("GRADER_REFERENCE", "reference"),
                     help="reference to compare against: a directory or an importable package (env GRADER_REFERENCE)")
+    group.addoption("--expectations", default=os.environ.get("GRADER_EXPECTATIONS"),
+                    help="grade from the expectations stored in this folder instead of running the reference (the "
+                         "students' copy does so by default; env GRADER_EXPECTATIONS)")
+    group.addoption("--record-expectations", default=None,
+                    help="store what the tests take from the reference in this folder (run by `python -m grader "
+                         "release`)")
     group.addoption("--profile", default=os.environ.get("GRADER_PROFILE", "public"),
                     help="public (default), grading (needs GRADER_SECRET_SEED) or ci (env GRADER_PROFILE)")
     group.addoption("--launcher", default=os.environ.get("GRADER_LAUNCHER", "local"),
@@ -138,9 +145,17 @@ def pytest_configure(config: pytest.Config) -> None:
     search_path = [str(Path.cwd()), str(root)]
     try:
         impl = resolve(config.getoption("--impl"), search_path)
-        reference = resolve(config.getoption("--reference"), search_path)
     except ValueError as error:
         raise pytest.UsageError(str(error)) from None
+    config.stash[EXPECTATIONS] = store = expectations_store(config, profile)
+    if store is not None and store.mode == "replay":
+        profiles.without_shrinking()
+    try:
+        reference = resolve(config.getoption("--reference"), search_path)
+    except ValueError as error:
+        if store is None or store.mode != "replay":
+            raise pytest.UsageError(str(error)) from None
+        reference = PackageSpec("reference", root / "reference")  # absent: nothing to import, nothing to hide
     try:
         level, note = isolation.choose(config.getoption("--isolation"))
     except (RuntimeError, ValueError) as error:
@@ -166,6 +181,27 @@ def pytest_configure(config: pytest.Config) -> None:
         # full (see grader.report.failure_summary).
         config.option.tbstyle = "no"
         config.option.reportchars = config.option.reportchars.replace("f", "").replace("F", "")
+
+
+def expectations_store(config: pytest.Config, profile: str) -> expectations.Store | None:
+    """Where the reference's values come from: recorded into a folder, replayed from one (given, or the students'
+    copy's own), or (None) the reference itself."""
+    recording = config.getoption("--record-expectations")
+    if recording:
+        return expectations.Store(Path(recording) / profile, "record", profile)
+    given = config.getoption("--expectations")
+    folder = Path(given) if given else expectations.students_copy_folder()
+    if folder is None:
+        return None
+    if not (folder / profile).is_dir():
+        held = sorted(p.name for p in folder.iterdir() if p.is_dir()) if folder.is_dir() else []
+        raise pytest.UsageError(f"no stored expectations for the {profile} profile in {folder} (it holds: "
+                                f"{', '.join(held) or 'none'}); the {profile} profile is graded on submission")
+    try:
+        expectations.check_draws(folder / profile)
+    except expectations.DrawsDiffer as error:
+        raise pytest.UsageError(error.message) from None
+    return expectations.Store(folder / profile, "replay", profile)
 
 
 def shows_every_failure(config: pytest.Config) -> bool:
@@ -256,9 +292,12 @@ def problem(request: pytest.FixtureRequest) -> Problem:
 def reference(request: pytest.FixtureRequest, problem: Problem):
     """The reference module, imported in the grader's own process before any student code ran (student code never
     is)."""
+    store = request.config.stash[EXPECTATIONS]
+    if store is not None and store.mode == "replay":
+        return budget.ReplayedReference(problem.id)
     modules = request.config.stash[REFERENCE_MODULES]
     module = modules[problem.id] if problem.id in modules else load_problem_module(current().reference, problem.id)
-    return budget.TimedReference(module, problem.id)
+    return budget.TimedReference(module, problem.id, recording=store is not None)
 
 
 @pytest.fixture(scope="module")
@@ -283,10 +322,11 @@ def student(request: pytest.FixtureRequest, problem: Problem):
 class Ranks:
     """Runs a program of the test module on several ranks, each importing the student's module."""
 
-    def __init__(self, problem: Problem, launcher, timeout_scale: float):
+    def __init__(self, problem: Problem, launcher, timeout_scale: float, store: expectations.Store | None):
         self.problem = problem
         self.launcher = launcher
         self.timeout_scale = timeout_scale
+        self.store = store
 
     def run(self, program, world_size: int, *args, rank_data: list | None = None, **kwargs) -> list:
         """Each rank's return value of program(student_module, rank, world_size, *args, **kwargs); with rank_data,
@@ -294,8 +334,23 @@ class Ranks:
         return self._launch(current().graded, program, world_size, args, kwargs, rank_data)
 
     def run_reference(self, program, world_size: int, *args, rank_data: list | None = None, **kwargs) -> list:
-        """The same program with the reference in place of the student (for ratios measured in one run)."""
-        return self._launch(current().reference, program, world_size, args, kwargs, rank_data)
+        """The same program with the reference in place of the student (for ratios measured in one run, and
+        references too costly for the grader's process). Recorded and replayed as a reference function's call is."""
+        name = f"launch {program.__name__}"
+        inputs = (world_size, args, kwargs, rank_data)
+        if self.store is not None and self.store.mode == "replay":
+            results, seconds = expectations.replay(name, inputs, {}, current().device)
+        elif self.store is not None:
+            results, seconds = expectations.record(
+                name, lambda *_: self._launch(current().reference, program, world_size, args, kwargs, rank_data),
+                inputs, {})
+        else:
+            started = time.monotonic()
+            results = self._launch(current().reference, program, world_size, args, kwargs, rank_data)
+            seconds = time.monotonic() - started
+        if budget.active() is not None:
+            budget.active().add_reference_time(name, seconds)
+        return results
 
     def _launch(self, impl, program, world_size: int, args: tuple, kwargs: dict, rank_data: list | None) -> list:
         context = current()
@@ -323,7 +378,7 @@ def ranks(request: pytest.FixtureRequest, problem: Problem):
     """The problem's launcher, kept for its tests (the local one keeps its rank groups) and closed after them."""
     config = request.config
     launcher = launcher_for(config.getoption("--launcher"))
-    yield Ranks(problem, launcher, config.getoption("--timeout-scale"))
+    yield Ranks(problem, launcher, config.getoption("--timeout-scale"), config.stash[EXPECTATIONS])
     if hasattr(launcher, "close"):
         launcher.close()
 
@@ -368,6 +423,9 @@ def student_budget(request: pytest.FixtureRequest) -> None:
     if problem is None:
         return
     test_budget = budget.begin(problem.test_timeout_s * request.config.getoption("--timeout-scale"))
+    store = request.config.stash[EXPECTATIONS]
+    if store is not None:
+        store.begin_test(problem.id, request.node.nodeid)
     if "student" in request.fixturenames:
         request.getfixturevalue("student").begin_test(test_budget)
 
@@ -412,6 +470,14 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
                         duration_s=report.duration)
     if report.passed and PARTIAL in item.stash:
         result.fraction, result.message = item.stash[PARTIAL]
+    store = item.config.stash[EXPECTATIONS]
+    if report.passed and store is not None and store.mode == "replay" and expectations.misses_in_test():
+        # Passing is only a verdict if every drawn input was a recorded one.
+        report.outcome = "failed"
+        result.status, result.message = expectations.DrawsDiffer.status, (
+            f"{expectations.misses_in_test()} drawn inputs had no stored expectation: this machine draws other "
+            "inputs than those recorded for the students' copy")
+        report.longrepr = result.detail = f"[{result.status}] {result.message}"
     if report.skipped:
         result.status = "skipped"
         result.message = report.longrepr[2] if isinstance(report.longrepr, tuple) else str(report.longrepr)
@@ -547,6 +613,9 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
         return
     context = current()
     context.isolation.close()
+    store = config.stash.get(EXPECTATIONS, None)
+    if store is not None and store.mode == "record":
+        store.write(store.problems)
     if context.impl_copy is not None:
         shutil.rmtree(context.impl_copy.path.parent, ignore_errors=True)
     if REFERENCE_HASHES in config.stash:

@@ -57,6 +57,15 @@ def load(profile: str) -> None:
     os.environ[PROFILE_VARIABLE] = profile
 
 
+def without_shrinking() -> None:
+    """The active profile, with no shrink phase: for grading from stored expectations, which hold no value for the
+    inputs hypothesis would try while shrinking (grader.expectations). A failure then shows the first failing input
+    drawn; the profiles draw small inputs first."""
+    phases = tuple(phase for phase in settings().phases if phase != Phase.shrink)
+    settings.register_profile(active(), parent=settings.get_profile(active()), phases=phases)
+    settings.load_profile(active())
+
+
 def active() -> str:
     return os.environ.get(PROFILE_VARIABLE, "public")
 

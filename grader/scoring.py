@@ -4,11 +4,15 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from hypothesis.errors import Unsatisfiable
+
 from assignment.registry import Problem
+from grader.expectations import DrawsDiffer
 from grader.outcomes import GradingFailure, StudentAbort
 
 # A problem's status is the first of these that any of its tests has (skipped only if every test was skipped).
-STATUS_ORDER = ("crashed", "timed out", "timed out (grader)", "failed", "not implemented", "passed", "skipped")
+STATUS_ORDER = ("crashed", "timed out", "timed out (grader)", "failed", "not graded", "not implemented", "passed",
+                "skipped")
 
 
 @dataclass
@@ -46,8 +50,11 @@ def classify(error: BaseException) -> tuple[str, str]:
         first = error.exceptions[0]
         status, message = classify(first.__cause__ if type(first).__name__ == "_WrappedBaseException" else first)
         return status, f"{message}\n(replayed on the same input, it did not fail again: it depends on timing or load)"
-    if isinstance(error, StudentAbort):
+    if isinstance(error, (StudentAbort, DrawsDiffer)):
         return error.status, error.message
+    if isinstance(error, Unsatisfiable):
+        return DrawsDiffer.status, ("no drawn input had a stored expectation: this machine draws other inputs than "
+                                    "those recorded for the students' copy")
     if isinstance(error, GradingFailure):
         return "failed", str(error)
     # Anything else escaped the grader's own checks: report it plainly rather than hide it.
