@@ -1,6 +1,7 @@
 """Command line: `python -m grader submit` (one submission), `python -m grader grade-all` (a whole class),
-`python -m grader gradescope OUT.zip` (a Gradescope autograder) and `python -m grader check-isolation` (which
-sandbox student code gets on this machine).
+`python -m grader gradescope OUT.zip` (a Gradescope autograder), `python -m grader release OUT` (the students' copy)
+and `python -m grader check-isolation` (which sandbox student code gets on this machine). The students' copy lacks
+the instructor's commands (gradescope, release).
 
 Both run on Slurm through submitit when `sbatch` is on the PATH, and through submitit's local executor otherwise
 (`--executor` chooses explicitly).
@@ -9,13 +10,16 @@ Both run on Slurm through submitit when `sbatch` is on the PATH, and through sub
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import sys
 from pathlib import Path
 
 from assignment.registry import problem_ids
-from grader import gradescope
 from grader.cluster.jobs import ClusterOptions, default_executor
+
+
+INSTRUCTOR_COMMANDS = ("gradescope", "release")  # modules of the same names, absent from the students' copy
 
 
 def problem_selection(problems: str | None, select: str | None) -> tuple[list[str] | None, tuple[str, ...]]:
@@ -59,9 +63,17 @@ def options_from(args: argparse.Namespace, problem_ids: list[str] | None, parall
 
 
 def reference_path(value: str) -> str:
+    """The reference's directory; "" in the students' copy, where the cluster's site file chooses it (and the profile
+    and seed) on the node that grades (grader.cluster.site)."""
+    from grader.expectations import students_copy_folder
     from grader.packages import resolve
 
-    return str(resolve(value, [str(Path.cwd()), str(Path(__file__).resolve().parent.parent)]).path)
+    try:
+        return str(resolve(value, [str(Path.cwd()), str(Path(__file__).resolve().parent.parent)]).path)
+    except ValueError:
+        if students_copy_folder() is not None and value == "reference":
+            return ""
+        raise
 
 
 def check_isolation() -> int:
@@ -94,15 +106,21 @@ def main(argv: list[str] | None = None) -> int:
     add_common(all_parser)
 
     commands.add_parser("check-isolation", help="say which sandbox student code would get on this machine, and why")
-    gradescope.add_command(commands)
+    instructor_commands = {}
+    for name in INSTRUCTOR_COMMANDS:
+        try:
+            instructor_commands[name] = importlib.import_module(f"grader.{name}")
+        except ModuleNotFoundError:
+            continue  # the students' copy
+        instructor_commands[name].add_command(commands)
 
     args = parser.parse_args(argv)
     if args.command == "check-isolation":
         return check_isolation()
-    if args.command == "gradescope":
+    if args.command in instructor_commands:
         try:
-            return gradescope.build_command(args)
-        except ValueError as error:
+            return instructor_commands[args.command].build_command(args)
+        except (ValueError, RuntimeError) as error:
             parser.error(str(error))
     if args.isolation == "none" and not args.allow_unisolated:
         parser.error("--isolation none lets student code read and rewrite results: add --allow-unisolated to insist")
@@ -110,8 +128,14 @@ def main(argv: list[str] | None = None) -> int:
         problem_ids, pytest_args = problem_selection(args.problems, args.select)
     except ValueError as error:
         parser.error(str(error))
-    reference = reference_path(args.reference)
+    try:
+        reference = reference_path(args.reference)
+    except ValueError as error:
+        parser.error(str(error))
     if args.command == "submit":
+        if not reference:
+            print("the cluster grades with the course's reference and profile (its site file), not this copy's "
+                  "--profile")
         from grader.cluster.submit import exit_status, submit
 
         result = submit(

@@ -7,6 +7,8 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from grader.backend import use_interpreter_without_gpu
 
 use_interpreter_without_gpu()
@@ -20,3 +22,24 @@ def pytest_configure(config):
     # Only for this suite: a grader run given `--impl tests/...` loads this file too.
     if not config.getoption("durations") and all(Path(arg).parts[:1] == ("tests",) for arg in config.args):
         config.option.durations = 25
+
+
+@pytest.fixture(scope="session")
+def reference_recorded(tmp_path_factory):
+    """The reference graded with the ci profile, as `python -m grader release` records it: (the run, the folder of
+    its expectations). The self-check reads the run; the students' copy below is built from the folder."""
+    from tests.grading import ROOT, run_grader
+
+    folder = tmp_path_factory.mktemp("expectations")
+    return run_grader(ROOT / "reference", "--record-expectations", str(folder)), folder
+
+
+@pytest.fixture(scope="session")
+def students_copy(reference_recorded, tmp_path_factory):
+    """A students' copy of every problem (no reference in it) holding the ci profile's expectations."""
+    from grader import release
+
+    run, folder = reference_recorded
+    if run.returncode != 0:
+        pytest.fail(f"the reference did not pass, so nothing was recorded:\n{run.output[-3000:]}")
+    return release.assemble(tmp_path_factory.mktemp("release") / "copy", folder, ("ci",))

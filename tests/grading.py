@@ -32,13 +32,14 @@ class GraderRun:
 
 def run_grader(impl: str | Path, *pytest_args: str, profile: str = "ci", timeout_s: float = 900,
                env: dict | None = None, results_path: Path | None = None,
-               tests: Sequence[str] = ("grader",)) -> GraderRun:
-    """`tests`: what pytest collects, the whole grader or node ids such as grader/test_moe_router.py::test_losses."""
+               tests: Sequence[str] = ("grader",), cwd: Path = ROOT) -> GraderRun:
+    """`tests`: what pytest collects, the whole grader or node ids such as grader/test_moe_router.py::test_losses;
+    `cwd`: the repository whose grader runs (a students' copy, say)."""
     with tempfile.TemporaryDirectory() as scratch:
         results_path = results_path or Path(scratch) / "results.json"
         command = [sys.executable, "-m", "pytest", *tests, "-q", "-p", "no:cacheprovider", "-p", "no:warnings",
                    "--impl", str(impl), "--profile", profile, "--results-json", str(results_path), *pytest_args]
-        completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s,
+        completed = subprocess.run(command, cwd=cwd, capture_output=True, text=True, timeout=timeout_s,
                                    env={**os.environ, **(env or {})})
         output = completed.stdout + completed.stderr
         assert results_path.exists(), f"the grader wrote no results file:\n{output}"

@@ -18,6 +18,7 @@ import pytest
 from assignment.registry import PROBLEMS
 from grader.__main__ import problem_selection
 from grader.cluster.grade_all import Submission, selected_problems, summary, write_class_csv
+from grader.cluster import site
 from grader.cluster.jobs import ClusterOptions, make_executor
 from tests.grading import ROOT, run_grader
 
@@ -78,6 +79,30 @@ def test_submission_scores_as_a_local_run(slurm, tmp_path):
     local = run_grader(impl, "-k", "kernels_softmax or moe_router")
     on_cluster = json.loads((tmp_path / "results.json").read_text())
     assert on_cluster["score"] == local.results["score"] > 0
+
+
+def test_the_students_copy_submits_to_the_reference_the_site_names(slurm, students_copy, tmp_path):
+    """The students' copy holds no reference: its submissions are graded by the grader, reference and profile that
+    the cluster's site file names (here this repository, which the copy never sees), and by nothing without one."""
+    copy = students_copy
+    site_file = tmp_path / "site.toml"
+    site_file.write_text(f'grader = "{ROOT}"\nprofile = "ci"\n')
+
+    def submit(impl: Path, site_path: Path) -> subprocess.CompletedProcess:
+        return subprocess.run(
+            [sys.executable, "-m", "grader", "submit", "--impl", str(impl), "--executor", "slurm", "--work-dir",
+             str(tmp_path / "work"), "--results-json", str(tmp_path / "results.json"), "--problems", "kernels.softmax",
+             "--select", "matches_reference_fp32 or long_rows"],
+            cwd=copy, capture_output=True, text=True, timeout=900,
+            env={**os.environ, site.SITE_FILE_VARIABLE: str(site_path)})
+
+    stubs = submit(copy / "student_impl", site_file)
+    assert stubs.returncode == 1 and "kernels.softmax  not implemented  0/" in stubs.stdout, stubs.stdout + stubs.stderr
+    solved = submit(shutil.copytree(ROOT / "reference", tmp_path / "solved"), site_file)
+    assert solved.returncode == 0 and "kernels.softmax  passed" in solved.stdout, solved.stdout + solved.stderr
+    assert json.loads((tmp_path / "results.json").read_text())["extra_data"]["profile"] == "ci"
+    unconfigured = submit(copy / "student_impl", tmp_path / "absent.toml")
+    assert unconfigured.returncode == 2 and "no grading site file" in unconfigured.stdout + unconfigured.stderr
 
 
 def test_two_rank_problem_runs_as_a_slurm_job_step(slurm, tmp_path):

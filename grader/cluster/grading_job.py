@@ -12,18 +12,21 @@ import os
 import secrets
 import subprocess
 import sys
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from grader import seal
+from grader.cluster import site
+from grader.context import SECRET_SEED_FILE_VARIABLE
 
 REPOSITORY = Path(__file__).resolve().parents[2]
+NO_SITE_STATUS = 4  # not graded: no site file says how (a request from the students' copy)
 
 
 @dataclass(frozen=True)
 class GradingRequest:
     impl: str  # the snapshot directory
-    reference: str
+    reference: str  # "": the cluster's site file chooses (grader.cluster.site)
     results_json: str
     key_file: str
     nonce: str
@@ -55,10 +58,23 @@ class GradingRequest:
 
 
 def run_grading(request: GradingRequest) -> int:
-    """Grade one snapshot; inside a Slurm job the distributed problems' ranks are started by a job step."""
+    """Grade one snapshot; inside a Slurm job the distributed problems' ranks are started by a job step. A request
+    that names no reference (from the students' copy) is graded as the cluster's site file says (grader.cluster.site):
+    its grader, reference, profile and seed."""
     launcher = "srun" if "SLURM_JOB_ID" in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm" else "local"
     results = Path(request.results_json)
     results.unlink(missing_ok=True)  # only this run's results may be read back
     env = {**os.environ, **request.environment, seal.KEY_FILE_VARIABLE: request.key_file}
-    completed = subprocess.run(request.command(launcher), cwd=REPOSITORY, env=env, stdin=subprocess.DEVNULL)
+    repository = REPOSITORY
+    if not request.reference:
+        try:
+            settings = site.load()
+        except RuntimeError as error:
+            print(f"not graded: {error}", flush=True)  # the job's output, which submit shows
+            return NO_SITE_STATUS
+        request = replace(request, reference=str(settings.reference), profile=settings.profile)
+        repository = settings.grader
+        if settings.secret_seed_file:
+            env[SECRET_SEED_FILE_VARIABLE] = settings.secret_seed_file
+    completed = subprocess.run(request.command(launcher), cwd=repository, env=env, stdin=subprocess.DEVNULL)
     return completed.returncode
