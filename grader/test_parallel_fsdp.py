@@ -37,6 +37,8 @@ MEMORY_UNITS = 8  # the memory test's stack: keeping every unit gathered costs t
 ALL_GATHERS = ("all_gather", "all_gather_into_tensor", "all_gather_single")
 REDUCE_SCATTERS = ("reduce_scatter", "reduce_scatter_tensor", "reduce_scatter_single")
 DTYPES = {None: torch.float32, "bfloat16": torch.bfloat16}
+# The "frozen" variant's parameters with requires_grad=False: block1 keeps one trainable parameter.
+FROZEN = ("block0.second.weight", "block1.first.weight", "block1.first.bias", "block1.second.bias")
 
 
 class Block(torch.nn.Module):
@@ -62,8 +64,9 @@ class Block(torch.nn.Module):
 
 
 class Stack(torch.nn.Module):
-    """Blocks registered as direct children (the units), tanh between them. The "frozen" variant freezes two
-    parameters, and its block1 also returns its row count (an output that needs no gradient)."""
+    """Blocks registered as direct children (the units), tanh between them. The "frozen" variant freezes
+    block0.second.weight and all of block1 but its second.weight (a unit of one trainable parameter), and its
+    block1 also returns its row count (an output that needs no gradient)."""
 
     def __init__(self, widths: list[int], variant: str):
         super().__init__()
@@ -71,8 +74,8 @@ class Stack(torch.nn.Module):
         for index in range(self.count):
             self.add_module(f"block{index}", Block(widths[index], widths[index + 1]))
         if variant == "frozen":
-            self.block1.first.bias.requires_grad_(False)
-            self.block0.second.weight.requires_grad_(False)
+            for name in FROZEN:
+                self.get_parameter(name).requires_grad_(False)
             self.block1.also_rows = True
         if variant == "tied":
             self.block2.second.weight = self.block0.second.weight
@@ -329,7 +332,7 @@ def test_frozen_parameter(ranks, world_size, config):
     check_training(results, config, world_size)
     initial = make_model(config).state_dict()
     for rank, result in enumerate(results):
-        for name in ("block1.first.bias", "block0.second.weight"):
+        for name in FROZEN:
             got = result["state_dict"].get(name)
             if got is None or not torch.equal(got, initial[name]):
                 raise WrongAnswer(f"rank {rank}: the frozen parameter {name} is missing from full_state_dict() or "
