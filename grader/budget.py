@@ -86,13 +86,13 @@ class TimedReference:
         def timed(*args, **kwargs):
             if self._recording:
                 result, seconds = expectations.record(name, value, args, kwargs)
-                _count(name, seconds)
+                count_reference_time(name, seconds)
                 return result
             started = time.monotonic()
             try:
                 return value(*args, **kwargs)
             finally:
-                _count(name, time.monotonic() - started)
+                count_reference_time(name, time.monotonic() - started)
 
         return timed
 
@@ -103,7 +103,7 @@ class TimedReference:
         if not self._recording:
             return function(self, *args)
         result, seconds = expectations.record(function.__qualname__, lambda *a: function(self._module, *a), args, {})
-        _count(function.__qualname__, seconds)
+        count_reference_time(function.__qualname__, seconds)
         return result
 
     def __repr__(self) -> str:
@@ -125,7 +125,7 @@ class ReplayedReference:
         def replayed(*args, **kwargs):
             device = next((t.device for t in expectations.plain_tensors((args, kwargs))), torch.device("cpu"))
             result, seconds = expectations.replay(name, args, kwargs, device)
-            _count(name, seconds)
+            count_reference_time(name, seconds)
             return result
 
         replayed.__name__ = name
@@ -139,7 +139,8 @@ class ReplayedReference:
         return f"<reference {self._problem_id}>"
 
 
-def _count(function: str, seconds: float) -> None:
+def count_reference_time(function: str, seconds: float) -> None:
+    """Add the reference's seconds for one call to the running test's budget (none outside a test)."""
     if _active is not None:
         _active.add_reference_time(function, seconds)
 

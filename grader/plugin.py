@@ -348,8 +348,7 @@ class Ranks:
             started = time.monotonic()
             results = self._launch(current().reference, program, world_size, args, kwargs, rank_data)
             seconds = time.monotonic() - started
-        if budget.active() is not None:
-            budget.active().add_reference_time(name, seconds)
+        budget.count_reference_time(name, seconds)
         return results
 
     def _launch(self, impl, program, world_size: int, args: tuple, kwargs: dict, rank_data: list | None) -> list:
