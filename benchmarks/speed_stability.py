@@ -58,7 +58,7 @@ def main() -> None:
                              f"{ratios[len(ratios) // 2]:.3f} / {ratios[-1]:.3f} | {off_top} of {args.runs} |")
                 print(lines[-1], flush=True)
         finally:
-            sandbox.stop()
+            sandbox.close()
     versions = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
                 f"python {platform.python_version()}")
     report = "\n".join(["# Speed verdicts of the reference against itself", "", versions, "", *lines, "",

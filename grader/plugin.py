@@ -316,7 +316,7 @@ def student(request: pytest.FixtureRequest, problem: Problem):
         stubs=stubs.stub_functions(context.graded.module_file(problem.id)),
     )
     yield sandbox
-    sandbox.stop()
+    sandbox.close()
 
 
 class Ranks:

@@ -152,6 +152,11 @@ class Sandbox:
             kill_group(self.process)
             self.process = None
 
+    def close(self) -> None:
+        """Stop the worker for good and remove its log (a restarted worker appends to the same log until then)."""
+        self.stop()
+        self.log.unlink(missing_ok=True)
+
     def begin_test(self, budget: TestBudget) -> None:
         """Every test has a budget of student time (see grader.budget); calls after it is spent time out at once."""
         self.budget = budget
