@@ -15,6 +15,9 @@ line of each problem, and prints one failure summary and one score table for all
 private folder of the parent's; student code never writes them, since it runs only in the lanes' sandboxes. A lane
 that dies without recording some of its tests leaves those tests as "grader error", with the end of its output: other
 lanes are not affected.
+
+The students' copy, which grades on the CPU, runs its speed tests in one more lane after the others, with the GPUs
+visible (grader.expectations.students_copy).
 """
 
 from __future__ import annotations
@@ -149,11 +152,9 @@ def lane_environment(profile: str, secret_seed: int | None) -> dict[str, str]:
     return environment
 
 
-def run(session: pytest.Session, lanes: int, impl: Path, secret_seed: int | None, on_record,
-        seconds: dict[str, float]) -> dict[str, list]:
-    """Grade session.items in lanes, dealt by `seconds` where it knows every problem; `on_record(record)` sees every
-    record as it arrives. Returns the node ids each lane left without a result, with the end of its output:
-    {log tail: [node ids]}."""
+def deal_items(session: pytest.Session, lanes: int, seconds: dict[str, float]) -> list[list[str]]:
+    """The node ids of session.items per lane: whole problems, dealt by `seconds` where it knows every problem, else
+    by the profile's examples per test."""
     from grader.plugin import problem_of
 
     nodeids_by_problem: dict[str, list[str]] = {}
@@ -164,14 +165,20 @@ def run(session: pytest.Session, lanes: int, impl: Path, secret_seed: int | None
         work[problem.id] = work.get(problem.id, 0.0) + problem.budgets[session.config.getoption("--profile")]
     if set(work) <= set(seconds):
         work = {problem_id: seconds[problem_id] for problem_id in work}
+    return [[n for p in problem_ids for n in nodeids_by_problem[p]] for problem_ids in deal(work, lanes)]
+
+
+def run_lanes(config: pytest.Config, nodeids_by_lane: list[list[str]], impl: Path, environment: dict[str, str],
+              on_record) -> dict[str, list]:
+    """Run one lane per list of node ids, side by side, in `environment`; `on_record(record)` sees every record as
+    it arrives. Returns the node ids each lane left without a result, with the end of its output:
+    {log tail: [node ids]}."""
     folder = Path(tempfile.mkdtemp(prefix="grader-lanes-"))  # mode 0700: the parent's alone
-    running = [Lane(index, [n for p in problem_ids for n in nodeids_by_problem[p]], folder)
-               for index, problem_ids in enumerate(deal(work, lanes))]
-    environment = lane_environment(session.config.getoption("--profile"), secret_seed)
+    running = [Lane(index, nodeids, folder) for index, nodeids in enumerate(nodeids_by_lane)]
     unrecorded: dict[str, list] = {}
     try:
         for lane in running:
-            lane.start(session.config, impl, environment)
+            lane.start(config, impl, environment)
         while running:
             time.sleep(POLL_S)
             for lane in list(running):

@@ -44,8 +44,9 @@ ALL_STUBS = pytest.StashKey[dict]()
 # Per problem: when its first test started and its last one ended (wall clock, for the results file).
 PROBLEM_SPAN = pytest.StashKey[dict]()
 EXPECTATIONS = pytest.StashKey[expectations.Store | None]()
-# Set when the tests ran in lanes (--jobs): the parent then prints every failure it shows itself.
-GRADED_IN_LANES = pytest.StashKey[bool]()
+# The node ids graded in other processes (lanes of --jobs, the students' copy's GPU lane): pytest printed none of
+# their failures here.
+GRADED_ELSEWHERE = pytest.StashKey[set]()
 
 __all__ = [
     "pytest_addoption",
@@ -108,6 +109,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--jobs", type=int, default=int(os.environ.get("GRADER_JOBS", "1")),
                     help="grade the selected problems in this many concurrent processes, whole problems each (e.g. "
                          "4 on a GPU host with 16 cores; default 1: one after another; env GRADER_JOBS)")
+    group.addoption("--gpu-lane", default="auto", choices=("auto", "on", "off"),
+                    help="in the students' copy, which grades on the CPU: run the speed tests afterwards in a process "
+                         "that sees the GPUs (auto: where this machine has NVIDIA GPUs; off: leave them skipped)")
     group.addoption("--lane-record", default=None,
                     help="(set by --jobs for the processes it starts: the file their results go to)")
     group.addoption("--results-nonce", default="",
@@ -198,7 +202,8 @@ def expectations_store(config: pytest.Config, profile: str) -> expectations.Stor
         raise pytest.UsageError(f"no stored expectations for the {profile} profile in {folder} (it holds: "
                                 f"{', '.join(held) or 'none'}); the {profile} profile is graded on submission")
     try:
-        expectations.check_draws(folder / profile)
+        if not expectations.in_gpu_lane():  # which grades speed alone: no stored draws
+            expectations.check_draws(folder / profile)
     except expectations.DrawsDiffer as error:
         raise pytest.UsageError(error.message) from None
     return expectations.Store(folder / profile, "replay", profile)
@@ -518,31 +523,77 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         session.config.option.console_output_style = "classic"  # no percentages: the progress lines count
 
 
-@pytest.hookimpl(tryfirst=True)
+@pytest.hookimpl(wrapper=True)
 def pytest_runtestloop(session: pytest.Session):
-    """With --jobs N and more than one problem selected, the tests run in N lanes (grader.lanes), not here."""
+    """Where the tests run. With --jobs N and more than one problem selected, in N lanes (grader.lanes), not here.
+    In the students' copy, which grades on the CPU, the speed tests wait for the GPU lane, which runs them after the
+    others with the GPUs visible (grader.expectations.students_copy)."""
+    every_item = list(session.items)
+    speed_items = [item for item in every_item if group_of(item) == "speed"] if wants_gpu_lane(session) else []
+    session.items[:] = [item for item in every_item if item not in speed_items]
+    try:
+        if graded_in_lanes(session):
+            session.items[:] = []  # pytest's own loop has nothing left to run
+        outcome = yield
+    finally:
+        session.items[:] = every_item
+    if speed_items:
+        reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+        if reporter is not None:
+            reporter.write_line(f"speed: {len(speed_items)} tests, now run in a second process that sees the GPUs "
+                                "(the students' copy grades the rest on the CPU)")
+        run_lanes_and_take_records(session, [[item.nodeid for item in speed_items]],
+                                   expectations.gpu_lane_environment())
+    if GRADED_ELSEWHERE in session.config.stash:
+        in_collection_order(session)
+    return outcome
+
+
+def graded_in_lanes(session: pytest.Session) -> bool:
+    """Grade session.items in lanes if --jobs asks for it and more than one problem is selected."""
     config = session.config
     problem_ids = {getattr(problem_of(item), "id", None) for item in session.items}
     if (config.getoption("--jobs") <= 1 or config.getoption("--lane-record") or config.option.collectonly
             or None in problem_ids or len(problem_ids) < 2):
-        return None
+        return False
     context = current()
     seed = secret_seed() if context.profile == "grading" else None
     times_key = f"{context.profile}/{context.device.type}"
-    unrecorded = lanes.run(session, config.getoption("--jobs"), context.impl.path, seed,
-                           lambda record: take_lane_record(config, record), lanes.known_seconds(times_key))
+    dealt = lanes.deal_items(session, config.getoption("--jobs"), lanes.known_seconds(times_key))
+    run_lanes_and_take_records(session, dealt, lanes.lane_environment(context.profile, seed))
     lanes.remember_seconds(times_key, {problem_id: end - start
                                        for problem_id, (start, end) in config.stash[PROBLEM_SPAN].items()})
+    return True
+
+
+def run_lanes_and_take_records(session: pytest.Session, nodeids_by_lane: list[list[str]],
+                               environment: dict[str, str]) -> None:
+    """Run the lanes, taking each record as it arrives; a test a lane left without a result is a grader error."""
+    config = session.config
+    unrecorded = lanes.run_lanes(config, nodeids_by_lane, current().impl.path, environment,
+                                 lambda record: take_lane_record(config, record))
     for log_tail, nodeids in unrecorded.items():
         for item in (item for item in session.items if item.nodeid in nodeids):
-            problem = problem_of(item)
-            result = lanes.lost_result(item.nodeid, problem, group_of(item), log_tail)
+            result = lanes.lost_result(item.nodeid, problem_of(item), group_of(item), log_tail)
             take_lane_record(config, ("result", result, None))
-    results = config.stash[RESULTS]  # in collection order, as one process lists them
+
+
+def in_collection_order(session: pytest.Session) -> None:
+    """Order the results as one process lists them, and count the failures of those graded elsewhere too."""
+    config = session.config
+    results = config.stash[RESULTS]
     config.stash[RESULTS] = {item.nodeid: results[item.nodeid] for item in session.items if item.nodeid in results}
-    config.stash[GRADED_IN_LANES] = True
     session.testsfailed = sum(result.status not in ("passed", "skipped") for result in config.stash[RESULTS].values())
-    return True
+
+
+def wants_gpu_lane(session: pytest.Session) -> bool:
+    config = session.config
+    store = config.stash[EXPECTATIONS]
+    if (store is None or store.mode != "replay" or config.getoption("--lane-record") or config.option.collectonly
+            or expectations.in_gpu_lane()):
+        return False
+    choice = config.getoption("--gpu-lane")
+    return choice == "on" or (choice == "auto" and expectations.hidden_gpus_present())
 
 
 def test_share(config: pytest.Config, problem: Problem, group: str) -> float:
@@ -551,7 +602,8 @@ def test_share(config: pytest.Config, problem: Problem, group: str) -> float:
 
 
 def take_lane_record(config: pytest.Config, record: tuple) -> None:
-    """In the parent of --jobs: one record of a lane (a problem started, or a test's result and its problem's span)."""
+    """In the process that started lanes: one record of a lane (a problem started, or a test's result and its
+    problem's span)."""
     progress = config.stash.get(PROGRESS, None)
     if record[0] == "started":
         if progress is not None:
@@ -561,8 +613,10 @@ def take_lane_record(config: pytest.Config, record: tuple) -> None:
     # The lane collected only the selected tests; the share counts the tests of the group collected here.
     result.share = test_share(config, result.problem, result.group)
     config.stash[RESULTS][result.nodeid] = result
-    if span is not None:
-        config.stash[PROBLEM_SPAN][result.problem.id] = span
+    config.stash.setdefault(GRADED_ELSEWHERE, set()).add(result.nodeid)
+    if span is not None:  # the problem's first start and last end, over every process that graded some of it
+        known = config.stash[PROBLEM_SPAN].get(result.problem.id, span)
+        config.stash[PROBLEM_SPAN][result.problem.id] = [min(known[0], span[0]), max(known[1], span[1])]
     if progress is not None:
         progress.test_finished(result.problem.id, result.status)
 
@@ -591,9 +645,9 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.section("failures")
         for line in failure_summary(failed):
             terminalreporter.write_line(line)
-    elif failed and GRADED_IN_LANES in config.stash:
-        terminalreporter.section("failures")  # pytest printed none here: the tests ran in the lanes
-        for result in failed:
+    elif any(result.nodeid in config.stash.get(GRADED_ELSEWHERE, set()) for result in failed):
+        terminalreporter.section("failures")  # pytest printed none of these here: they ran in other processes
+        for result in (result for result in failed if result.nodeid in config.stash[GRADED_ELSEWHERE]):
             terminalreporter.write_line(f"{result.problem.id}: {result.nodeid}")
             for line in result.detail.splitlines() or [f"[{result.status}] {result.message}"]:
                 terminalreporter.write_line("    " + line)

@@ -6,8 +6,14 @@ recorded here by grading the reference on the CPU (grader.expectations). Its `py
 verdicts, messages and points as the live grader on the public profile. Points for speed and for tests that need a
 GPU or several are given on submission, where the course's cluster grades with the hidden reference.
 
-Refused (with the reason) when OUT exists and is not empty (unless --force), when handout.pdf is stale, or when
-`reference/` or `assignment/` has uncommitted changes: the copy must match what is committed.
+Speed is graded in the copy too, against the baseline each speed test times, with the ratio reference / baseline
+stored per GPU model in grader/speed_ratios.json (grader.speed); `--measure-speed`, on a GPU, first measures this GPU
+model's ratios into that file. A problem whose reference or speed test changed since its ratios were measured is
+left out of the copy's ratios (with a warning): its speed line is then advisory there.
+
+Refused (with the reason) when OUT exists and is not empty (unless --force), when handout.pdf is stale, when
+`reference/` or `assignment/` has uncommitted changes (the copy must match what is committed), or when
+--measure-speed finds no GPU.
 """
 
 from __future__ import annotations
@@ -21,22 +27,29 @@ import subprocess
 import sys
 from pathlib import Path
 
+import torch
+
 from assignment.handout.build import stale_reason
-from assignment.registry import problem_ids
-from grader import expectations
+from assignment.registry import PROBLEMS, problem_ids
+from grader import expectations, speed_ratios
 from grader.cluster.snapshot import IGNORED
+from grader.packages import PackageSpec
+from grader.speed import RATIOS_FILE, stored_ratios
 
 REPOSITORY = Path(__file__).resolve().parent.parent
 COPIED = ("student_impl", "grader", "assignment", "handout.pdf")
 # Instructor tools that read reference/: a students' copy has nothing for them to read.
-INSTRUCTOR_ONLY = ("grader/release.py", "grader/gradescope.py")
+INSTRUCTOR_ONLY = ("grader/release.py", "grader/gradescope.py", "grader/speed_ratios.py")
 PROFILES = ("public", "ci")  # the grading profile's inputs are secret: never stored
 ALL = "(every problem: the grader wrote no results)"
 README_TEMPLATE = REPOSITORY / "assignment" / "students_readme.md"
 
 
-def refusals(root: Path, out: Path, force: bool, require_committed: bool = True) -> list[str]:
+def refusals(root: Path, out: Path, force: bool, require_committed: bool = True,
+             measure_speed: bool = False) -> list[str]:
     found = []
+    if measure_speed and not torch.cuda.is_available():
+        found.append("--measure-speed measures this machine's GPU: none is visible here")
     if out.exists() and any(out.iterdir()) and not force:
         found.append(f"{out} exists and is not empty (--force replaces it)")
     stale = stale_reason(root)
@@ -102,6 +115,17 @@ def copy_sources(root: Path, out: Path) -> None:
         (out / name).unlink(missing_ok=True)
 
 
+def copy_speed_ratios(root: Path, out: Path) -> None:
+    """The stored speed ratios, less those measured with another reference or speed test than the copy's."""
+    ratios = json.loads((root / "grader" / RATIOS_FILE.name).read_text())
+    kept, stale = speed_ratios.without_stale(ratios, PackageSpec("reference", root / "reference"))
+    (out / "grader" / RATIOS_FILE.name).write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
+    for gpu, problem_ids in stale.items():
+        print(f"warning: the {gpu}'s speed ratios of {', '.join(problem_ids)} were measured with another reference "
+              "or speed test: left out of the copy, whose speed lines for them are advisory on that GPU "
+              "(python -m grader release OUT --measure-speed on that GPU measures them again)", file=sys.stderr)
+
+
 def pinned_pyproject(root: Path, versions: dict) -> str:
     """This repository's pyproject.toml with torch and hypothesis pinned to the recorded versions (other versions
     may draw other inputs) and tests/ no longer the default test path."""
@@ -117,17 +141,24 @@ def folder_size(folder: Path) -> int:
 
 def students_readme(out: Path, versions: dict, profiles: tuple[str, ...]) -> str:
     size_mb = folder_size(out / "expectations") / 1e6
+    measured = stored_ratios(out / "grader" / RATIOS_FILE.name)
+    gpus = ", ".join(sorted(gpu for gpu, ratios in measured.items() if ratios.get("problems"))) or "no GPU model"
     return README_TEMPLATE.read_text().format(torch=versions["torch"], hypothesis=versions["hypothesis"],
-                                              size=f"{size_mb:.1f} MB", profiles=", ".join(profiles))
+                                              size=f"{size_mb:.1f} MB", profiles=", ".join(profiles), gpus=gpus)
 
 
 def build(out: Path, problems: list[str] | None = None, profiles: tuple[str, ...] = PROFILES, jobs: int = 1,
-          force: bool = False, root: Path = REPOSITORY, require_committed: bool = True) -> Path:
+          force: bool = False, root: Path = REPOSITORY, require_committed: bool = True,
+          measure_speed: bool = False) -> Path:
     """The students' copy in `out`. require_committed=False is for this repository's own tests, which build a copy
     of whatever the working tree holds."""
-    found = refusals(root, out, force, require_committed)
+    found = refusals(root, out, force, require_committed, measure_speed)
     if found:
         raise ValueError("refusing to build the students' copy:\n- " + "\n- ".join(found))
+    if measure_speed:
+        gpu = speed_ratios.measure_into(root / "grader" / RATIOS_FILE.name, PackageSpec("reference", root / "reference"),
+                                        [problem.id for problem in PROBLEMS if problem.speed])
+        print(f"measured the {gpu}'s speed ratios into grader/{RATIOS_FILE.name}: commit them", flush=True)
     if out.exists():
         shutil.rmtree(out)
     out.mkdir(parents=True)
@@ -143,6 +174,7 @@ def assemble(out: Path, recorded: Path, profiles: tuple[str, ...], root: Path = 
         for profile in profiles:
             shutil.copytree(recorded / profile, out / "expectations" / profile)
     copy_sources(root, out)
+    copy_speed_ratios(root, out)
     versions = expectations.versions()
     (out / "pyproject.toml").write_text(pinned_pyproject(root, versions))
     (out / "README.md").write_text(students_readme(out, versions, profiles))
@@ -156,6 +188,8 @@ def add_command(commands) -> None:
     parser.add_argument("--problems", help="comma-separated problem ids (default: all)")
     parser.add_argument("--profiles", default=",".join(PROFILES), help="profiles to record (public, ci)")
     parser.add_argument("--jobs", type=int, default=1, help="lanes the recording grades in (see --jobs of pytest)")
+    parser.add_argument("--measure-speed", action="store_true",
+                        help="first measure this GPU model's speed ratios into grader/speed_ratios.json")
 
 
 def build_command(args: argparse.Namespace) -> int:
@@ -163,6 +197,7 @@ def build_command(args: argparse.Namespace) -> int:
     unknown = [p for p in profiles if p not in PROFILES]
     if unknown:
         raise ValueError(f"--profiles: {', '.join(unknown)} cannot be stored (choose from {', '.join(PROFILES)})")
-    out = build(args.out, problem_ids(args.problems or "") or None, profiles, args.jobs, args.force)
+    out = build(args.out, problem_ids(args.problems or "") or None, profiles, args.jobs, args.force,
+                measure_speed=args.measure_speed)
     print(f"wrote the students' copy to {out} (expectations: {folder_size(out / 'expectations') / 1e6:.1f} MB)")
     return 0

@@ -1,28 +1,42 @@
-"""Speed thresholds: the student's kernel against the reference (and torch's own op) on one GPU, in one run.
+"""Speed thresholds: the student's kernel against the reference (and a baseline: torch's own op) on one GPU, in one run.
 
-Calls alternate (student, reference, torch baseline) so that clocks, temperature and other load affect all three
-alike; each call gets fresh inputs from its own seed and a cold L2. The student's call is timed in its worker, the
-others here, with the same code (grader.timing). Every timed student output is re-checked at positions drawn after
-the call. Points come in tiers by the ratio of median times, student over reference.
+Calls alternate (student, reference, baseline) so that clocks, temperature and other load affect all three alike;
+each call gets fresh inputs from its own seed and a cold L2. The student's call is timed in its worker, the others
+here, with the same code (grader.timing). Every timed student output is re-checked at positions drawn after the
+call. Points come in tiers by the ratio of median times, student over reference.
+
+The students' copy has no reference. There the student alternates with the baseline alone, and the reference's time
+is the baseline's times the ratio reference / baseline that the instructor measured on the same GPU model
+(grader.speed_ratios, kept in RATIOS_FILE); the timed outputs are checked against the baseline's, or against the
+spec's oracle where the baseline computes something else. On a GPU model with no stored ratio the speed line is
+advisory: measured, shown, and its points left to the graded submission.
 """
 
 from __future__ import annotations
 
 import functools
+import json
 import random
 import statistics
 from collections.abc import Callable
 from dataclasses import dataclass
+from pathlib import Path
 
+import pytest
 import torch
 
 from assignment.registry import SpeedThreshold
-from grader.budget import untimed
+from grader.budget import ReplayedReference, untimed
 from grader.outcomes import WrongAnswer
 from grader.timing import Timer, sample
 
 CALLS = 30
 WARMUP_CALLS = 3  # compile, autotune and allocate before anything is timed; the rules are checked on these
+RATIOS_FILE = Path(__file__).with_name("speed_ratios.json")
+ON_SUBMISSION = "its points are awarded on submission, where the reference itself is timed"
+
+# One timed side of a round: (round index, the round's input seed, its inputs) -> (milliseconds, output).
+Runner = Callable[[int, int, tuple], tuple[float, object]]
 
 
 @dataclass
@@ -31,6 +45,7 @@ class SpeedVerdict:
     reference_ms: float
     baseline_ms: float
     fraction: float
+    estimated: bool = False  # reference_ms is the baseline's time times a stored ratio (the students' copy)
 
     @property
     def ratio(self) -> float:
@@ -41,9 +56,10 @@ class SpeedVerdict:
         return self.student_ms / self.baseline_ms
 
     def describe(self, case: str) -> str:
+        how = ", estimated from the baseline's time and the stored ratio" if self.estimated else ""
         return (
             f"{case}: {self.student_ms * 1e3:.0f} us, {self.ratio:.2f}x the reference ({self.reference_ms * 1e3:.0f} "
-            f"us) and {self.baseline_ratio:.2f}x torch ({self.baseline_ms * 1e3:.0f} us): "
+            f"us{how}) and {self.baseline_ratio:.2f}x torch ({self.baseline_ms * 1e3:.0f} us): "
             f"{self.fraction:.0%} of the speed points"
         )
 
@@ -55,51 +71,41 @@ def tier_fraction(ratio: float, threshold: SpeedThreshold) -> float:
     return 0.0
 
 
-def check_sample(student_sample: torch.Tensor, reference_sample: torch.Tensor, dtype: torch.dtype, what: str) -> None:
-    scale = float(reference_sample.abs().max()) or 1.0
-    allowed = 16 * torch.finfo(dtype).eps * scale
-    error = float((student_sample - reference_sample).abs().max())
+def check_sample(student_sample: torch.Tensor, expected_sample: torch.Tensor, dtype: torch.dtype, what: str) -> None:
+    """The timed output at the sampled positions is the expected one, within 16 ulp of the dtype at the largest
+    expected value; positions where the expected value is NaN (an oracle that does not judge them) are skipped."""
+    judged = ~expected_sample.isnan()
+    student_sample, expected_sample = student_sample[judged], expected_sample[judged]
+    scale = float(expected_sample.abs().max()) if expected_sample.numel() else 1.0
+    allowed = 16 * torch.finfo(dtype).eps * (scale or 1.0)
+    error = float((student_sample - expected_sample).abs().max()) if expected_sample.numel() else 0.0
     if not error <= allowed:  # also catches NaN
-        raise WrongAnswer(f"{what}: a timed output differs from the reference by {error:.3g} (allowed {allowed:.3g})")
+        raise WrongAnswer(f"{what}: a timed output differs from the expected one by {error:.3g} (allowed {allowed:.3g})")
 
 
-def measure(student, function: str, reference_fn, baseline_fn, inputs, case: tuple, threshold: SpeedThreshold,
-            dtype: torch.dtype, calls: int = CALLS, seed: int | None = None,
-            harness: Callable | None = None) -> SpeedVerdict:
-    """Time `calls` alternating calls; `inputs` is a test-module function `inputs(*case, seed, device)`. With a
-    `harness` (a test-module function), each timed call is harness(function, *args) instead of function(*args)."""
-    inputs_name = f"{inputs.__module__}:{inputs.__name__}"
-    harness_name = None
-    if harness is not None:
-        harness_name = f"{harness.__module__}:{harness.__name__}"
-        reference_fn, baseline_fn = functools.partial(harness, reference_fn), functools.partial(harness, baseline_fn)
+def alternate(runners: dict[str, Runner], inputs: Callable, case: tuple, calls: int = CALLS, seed: int | None = None,
+              after_round: Callable[[tuple, dict, int], None] | None = None) -> dict[str, float]:
+    """The median milliseconds of each runner over `calls` rounds, after WARMUP_CALLS untimed ones. A round builds
+    fresh inputs `inputs(*case, seed, device)` from its own seed and calls every runner on them in order; then
+    after_round(inputs, outputs by runner, a seed drawn after the calls) may check what they returned."""
     device = torch.device("cuda")
-    timer = Timer(device)
     draw = random.Random(seed)
-    times = {"student": [], "reference": [], "baseline": []}
+    times: dict[str, list[float]] = {name: [] for name in runners}
     for index in range(WARMUP_CALLS + calls):
         call_seed = draw.randrange(2**31)
         args = inputs(*case, seed=call_seed, device=device)
-        student_ms = student.time_call(function, inputs_name, case, call_seed, check_rules=index < WARMUP_CALLS,
-                                       harness=harness_name)
-        reference_ms, reference_output = timer.time_ms(reference_fn, args)
-        baseline_ms, _ = timer.time_ms(baseline_fn, args)
-        sample_seed = draw.randrange(2**31)
-        check_sample(student.sample_last_output(sample_seed), sample(reference_output, sample_seed), dtype,
-                     f"{function}() on {case}")
-        if index >= WARMUP_CALLS:
-            times["student"].append(student_ms)
-            times["reference"].append(reference_ms)
-            times["baseline"].append(baseline_ms)
-    medians = {name: statistics.median(values) for name, values in times.items()}
-    ratio = medians["student"] / medians["reference"]
-    return SpeedVerdict(medians["student"], medians["reference"], medians["baseline"], tier_fraction(ratio, threshold))
+        outputs = {}
+        for name, run in runners.items():
+            milliseconds, outputs[name] = run(index, call_seed, args)
+            if index >= WARMUP_CALLS:
+                times[name].append(milliseconds)
+        if after_round is not None:
+            after_round(args, outputs, draw.randrange(2**31))
+    return {name: statistics.median(values) for name, values in times.items()}
 
 
-def one_tensor(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple[torch.Tensor]:
-    """Inputs for a kernel of one tensor argument: standard normal values."""
-    generator = torch.Generator(device=device).manual_seed(seed)
-    return (torch.randn(shape, generator=generator, device=device, dtype=getattr(torch, dtype)),)
+def grader_runner(timer: Timer, function: Callable) -> Runner:
+    return lambda index, call_seed, args: timer.time_ms(function, args)
 
 
 @dataclass(frozen=True)
@@ -108,24 +114,116 @@ class SpeedSpec:
     `baseline` on the same arguments, and `inputs(shape, dtype, seed, device)` (a module-level function of the test
     module, so that the worker can build the same inputs). With a `harness(function, *args)` (also a module-level
     function of the test module), that is what is timed for all three instead of `function(*args)`: a forward and
-    backward pass, say; its return value is the output that is sampled."""
+    backward pass, say; its return value is the output that is sampled. Where the baseline computes another function
+    than the problem's, `oracle(args, seed)` gives the true output at the positions grader.timing.sample(output, seed)
+    takes, for the students' copy to check against."""
 
     function: str
     baseline: Callable
     inputs: Callable
     harness: Callable | None = None
+    oracle: Callable | None = None
 
-    def run(self, student, reference_module, case: tuple, threshold: SpeedThreshold, seed: int | None = None):
-        shape, dtype = case
-        return measure(student, self.function, getattr(untimed(reference_module), self.function), self.baseline, self.inputs,
-                       case, threshold, getattr(torch, dtype), seed=seed, harness=self.harness)
+    def timed(self, function: Callable) -> Callable:
+        return function if self.harness is None else functools.partial(self.harness, function)
+
+    def expected_sample(self, args: tuple, baseline_output, seed: int) -> torch.Tensor:
+        """The true output at the positions `seed` samples, from the baseline's output or the oracle."""
+        return sample(baseline_output, seed) if self.oracle is None else self.oracle(args, seed)
+
+    def student_runner(self, student, case: tuple) -> Runner:
+        inputs_name = f"{self.inputs.__module__}:{self.inputs.__name__}"
+        harness_name = None if self.harness is None else f"{self.harness.__module__}:{self.harness.__name__}"
+
+        def run(index: int, call_seed: int, args: tuple) -> tuple[float, None]:
+            return student.time_call(self.function, inputs_name, case, call_seed, check_rules=index < WARMUP_CALLS,
+                                     harness=harness_name), None
+
+        return run
+
+    def run(self, student, reference_module, case: tuple, threshold: SpeedThreshold,
+            seed: int | None = None) -> SpeedVerdict:
+        """The student against the reference and the baseline, in one run."""
+        timer = Timer(torch.device("cuda"))
+        runners = {"student": self.student_runner(student, case),
+                   "reference": grader_runner(timer, self.timed(getattr(reference_module, self.function))),
+                   "baseline": grader_runner(timer, self.timed(self.baseline))}
+
+        def check(args, outputs, sample_seed):
+            check_sample(student.sample_last_output(sample_seed), sample(outputs["reference"], sample_seed),
+                         getattr(torch, case[1]), f"{self.function}() on {case}")
+
+        medians = alternate(runners, self.inputs, case, seed=seed, after_round=check)
+        return SpeedVerdict(medians["student"], medians["reference"], medians["baseline"],
+                            tier_fraction(medians["student"] / medians["reference"], threshold))
+
+    def run_from_ratio(self, student, case: tuple, threshold: SpeedThreshold, reference_over_baseline: float | None,
+                       seed: int | None = None) -> SpeedVerdict:
+        """The student against the baseline alone, the reference's time estimated from the stored ratio; without
+        one, the verdict earns nothing (its reference_ms is NaN)."""
+        runners = {"student": self.student_runner(student, case),
+                   "baseline": grader_runner(Timer(torch.device("cuda")), self.timed(self.baseline))}
+
+        def check(args, outputs, sample_seed):
+            check_sample(student.sample_last_output(sample_seed),
+                         self.expected_sample(args, outputs["baseline"], sample_seed), getattr(torch, case[1]),
+                         f"{self.function}() on {case}")
+
+        medians = alternate(runners, self.inputs, case, seed=seed, after_round=check)
+        if reference_over_baseline is None:
+            return SpeedVerdict(medians["student"], float("nan"), medians["baseline"], 0.0, estimated=True)
+        reference_ms = medians["baseline"] * reference_over_baseline
+        return SpeedVerdict(medians["student"], reference_ms, medians["baseline"],
+                            tier_fraction(medians["student"] / reference_ms, threshold), estimated=True)
 
 
-def grade_speed(spec: SpeedSpec, student, reference_module, case: tuple, threshold: SpeedThreshold,
+def case_key(case: tuple) -> str:
+    """The key of one speed case in RATIOS_FILE: its id in the speed test's parametrisation."""
+    return str(case)
+
+
+def stored_ratios(path: Path = RATIOS_FILE) -> dict:
+    """{GPU model: {"problems": {problem id: {"cases": {case key: {"reference_over_baseline": ...}}}}}}, as
+    grader.speed_ratios measured them."""
+    try:
+        return json.loads(path.read_text()).get("gpus", {})
+    except (OSError, ValueError):
+        return {}
+
+
+def stored_ratio(gpu: str, problem_id: str, case: tuple) -> tuple[float | None, str]:
+    """(reference / baseline measured on this GPU model for the case, or None and why not)."""
+    ratios = stored_ratios()
+    if gpu not in ratios:
+        measured = ", ".join(sorted(ratios)) or "none"
+        return None, f"no reference time is stored for the {gpu} (measured on: {measured})"
+    entry = ratios[gpu].get("problems", {}).get(problem_id, {}).get("cases", {}).get(case_key(case))
+    if entry is None:
+        return None, f"no reference time is stored for {problem_id} {case} on the {gpu}"
+    return entry["reference_over_baseline"], ""
+
+
+def grade_speed(spec: SpeedSpec, student, reference, case: tuple, threshold: SpeedThreshold,
                 partial_credit) -> None:
-    """The body of a problem's `test_speed`: fails below the last tier, else awards the tier's fraction."""
-    verdict = spec.run(student, reference_module, case, threshold)
-    message = verdict.describe(f"{case[0]} {case[1]}")
+    """The body of a problem's `test_speed`: fails below the last tier, else awards the tier's fraction. In the
+    students' copy, the verdict rests on the stored ratio; without one it is advisory (a skip that says so)."""
+    shown = f"{case[0]} {case[1]}"
+    if isinstance(reference, ReplayedReference):
+        gpu = torch.cuda.get_device_name(0)
+        ratio, missing = stored_ratio(gpu, student.problem_id, case)
+        verdict = spec.run_from_ratio(student, case, threshold, ratio)
+        if ratio is None:
+            pytest.skip(f"advisory: {shown}: {verdict.student_ms * 1e3:.0f} us, {verdict.baseline_ratio:.2f}x torch "
+                        f"({verdict.baseline_ms * 1e3:.0f} us); {missing}: {ON_SUBMISSION}")
+    else:
+        verdict = spec.run(student, untimed(reference), case, threshold)
+    message = verdict.describe(shown)
     if verdict.fraction == 0:
         raise WrongAnswer(message)
     partial_credit(verdict.fraction, message)
+
+
+def one_tensor(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple[torch.Tensor]:
+    """Inputs for a kernel of one tensor argument: standard normal values."""
+    generator = torch.Generator(device=device).manual_seed(seed)
+    return (torch.randn(shape, generator=generator, device=device, dtype=getattr(torch, dtype)),)

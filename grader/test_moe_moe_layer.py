@@ -28,6 +28,7 @@ from grader.profiles import examples
 from grader.speed import SpeedSpec, grade_speed
 from grader.strategies import LAYOUTS, dims, size_scale
 from grader.test_moe_router import separated_rows
+from grader.timing import sample_positions
 
 PROBLEM = BY_ID["moe.moe_layer"]
 INPUTS = ("x_TD", "router_weight_ED", "gate_proj_EHD", "up_proj_EHD", "down_proj_EDH", "shared_gate_proj_SFD",
@@ -451,7 +452,44 @@ def idealised_grouped_gemm(x_TD, router_weight_ED, gate_proj_EHD, up_proj_EHD, d
     return out_AD.view(k, tokens, width).sum(dim=0) + F.linear(shared_hidden_TF, shared_down_D_SF)
 
 
-SPEED = SpeedSpec("moe_layer", baseline=idealised_grouped_gemm, inputs=speed_inputs, harness=forward_backward)
+def swiglu_float32(x_ND, gate_proj_HD, up_proj_HD, down_proj_DH) -> torch.Tensor:
+    return F.linear(F.silu(F.linear(x_ND, gate_proj_HD.float())) * F.linear(x_ND, up_proj_HD.float()),
+                    down_proj_DH.float())
+
+
+# Tokens whose k-th and (k+1)-th router logits are closer than this may be routed either way by a correct float32
+# computation (its rounding depends on the matmul's kernel): the oracle does not judge them.
+ROUTING_MARGIN = 1e-3
+
+
+@torch.no_grad()
+def sampled_moe_layer(args: tuple, seed: int) -> torch.Tensor:
+    """The layer's output (normalize_topk=True, as forward_backward calls it) at the positions grader.timing.sample
+    draws with `seed`, in float64: the students' copy checks a timed output against it, having no reference. Only
+    the sampled tokens are computed, in float32, one expert at a time; NaN (not judged) for a token whose routing is
+    within ROUTING_MARGIN of a tie."""
+    x_TD, router_weight_ED, gate_proj_EHD, up_proj_EHD, down_proj_EDH, *shared_SXX, k, _ = args
+    tokens, width = x_TD.shape
+    positions = sample_positions(tokens * width, seed).to(x_TD.device)
+    rows, row_of_position = torch.unique(positions // width, return_inverse=True)
+    x_ND = x_TD.detach()[rows].float()
+    logits_NE = x_ND @ router_weight_ED.detach().float().T
+    ranked = torch.sort(logits_NE, dim=-1, descending=True, stable=True)
+    expert_NK = ranked.indices[:, :k]
+    gate_NK = torch.softmax(logits_NE, dim=-1).gather(1, expert_NK)
+    gate_NK = gate_NK / gate_NK.sum(dim=-1, keepdim=True)
+    y_ND = sum((swiglu_float32(x_ND, *weights) for weights in zip(*shared_SXX)), torch.zeros_like(x_ND))
+    for expert in expert_NK.unique().tolist():
+        row_A, slot_A = (expert_NK == expert).nonzero(as_tuple=True)
+        expert_out_AD = swiglu_float32(x_ND[row_A], gate_proj_EHD[expert], up_proj_EHD[expert], down_proj_EDH[expert])
+        y_ND.index_add_(0, row_A, gate_NK[row_A, slot_A, None] * expert_out_AD)
+    if k < logits_NE.shape[1]:
+        y_ND[ranked.values[:, k - 1] - ranked.values[:, k] < ROUTING_MARGIN] = float("nan")
+    return y_ND[row_of_position, positions % width].to("cpu", torch.float64)
+
+
+SPEED = SpeedSpec("moe_layer", baseline=idealised_grouped_gemm, inputs=speed_inputs, harness=forward_backward,
+                  oracle=sampled_moe_layer)
 
 
 @gpu_only

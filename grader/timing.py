@@ -39,6 +39,10 @@ def sample(output: torch.Tensor, seed: int) -> torch.Tensor:
     """Elements of `output` at positions drawn from `seed` (float64, on the CPU): a cheap re-check of a timed output.
     The seed is chosen by the grader after the call, so an implementation cannot compute only those positions."""
     flat = output.detach().as_subclass(torch.Tensor).reshape(-1)
+    return flat[sample_positions(flat.numel(), seed).to(flat.device)].to("cpu", torch.float64)
+
+
+def sample_positions(numel: int, seed: int) -> torch.Tensor:
+    """The flat positions `sample` takes from an output of `numel` elements (on the CPU)."""
     generator = torch.Generator().manual_seed(seed)
-    positions = torch.randint(0, max(flat.numel(), 1), (SAMPLES,), generator=generator)
-    return flat[positions.to(flat.device)].to("cpu", torch.float64)
+    return torch.randint(0, max(numel, 1), (SAMPLES,), generator=generator)

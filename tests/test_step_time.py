@@ -4,6 +4,7 @@ arithmetic and its refusals here."""
 from __future__ import annotations
 
 import math
+import types
 
 import pytest
 
@@ -21,6 +22,8 @@ def rank_result(step_times_s, losses=(2.0, 1.5), weight_sum=10.0, weight_abs_sum
 
 class FakeRanks:
     """Launches that return fixed per-rank results: the student's, then the reference's."""
+
+    store = None  # the live grader's: the reference runs
 
     def __init__(self, student: list[dict], reference: list[dict]):
         self.student, self.reference = student, reference
@@ -84,3 +87,12 @@ def test_every_launch_gets_the_same_secret_seed_per_rank_and_ranks_differ():
     first = ranks.rank_data[0]
     assert all(data == first for data in ranks.rank_data) and len(ranks.rank_data) == 6
     assert len(first) == 2 and first[0]["data_seed"] != first[1]["data_seed"]
+
+
+def test_the_students_copy_leaves_step_times_to_the_submission():
+    """The copy replays stored expectations and has no reference to launch: no ranks run, the points wait."""
+    ranks = FakeRanks([], [])
+    ranks.store = types.SimpleNamespace(mode="replay")
+    with pytest.raises(pytest.skip.Exception, match="awarded on submission"):
+        grade_step_time(ranks, None, None, 2, (), THRESHOLD, "case", rtol=1e-3)
+    assert ranks.order == []

@@ -1,0 +1,103 @@
+"""Speed points in the students' copy, which has no reference: the student's time against the baseline, turned into
+"x the reference" by the ratio stored per GPU model (grader.speed, grader.speed_ratios).
+
+Timing needs a GPU; here the parts around it are checked: the shipped ratios cover every single-GPU speed case and
+were measured with the reference and speed tests of this tree, the oracle the copy checks moe.moe_layer's timed
+output against agrees with the reference, and the copy runs its speed tests in a process that sees the GPUs it hid
+from the rest of its grading."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+
+from assignment.registry import PROBLEMS
+from grader import speed_ratios
+from grader.expectations import students_copy
+from grader.packages import PackageSpec, load_problem_module
+from grader.speed import RATIOS_FILE, check_sample, stored_ratio
+from grader.timing import sample
+from tests.grading import ROOT, run_grader
+
+MEASURED_ON = "NVIDIA H200"
+
+
+def single_gpu_speed_problems():
+    return [(problem, spec) for problem in PROBLEMS if problem.speed
+            for spec in [speed_ratios.speed_spec(problem.id)] if spec is not None]
+
+
+def test_the_stored_ratios_cover_every_speed_case_and_are_current():
+    """A changed reference kernel or speed test needs its ratios measured again on the GPU (python -m grader
+    speed_ratios), or the release leaves them out and the copy's speed line is advisory."""
+    for problem, _ in single_gpu_speed_problems():
+        for case in problem.speed.cases():
+            ratio, missing = stored_ratio(MEASURED_ON, problem.id, case)
+            assert ratio is not None and 0.05 < ratio < 20, missing
+    ratios = json.loads(RATIOS_FILE.read_text())
+    stale = speed_ratios.stale_problems(ratios, PackageSpec("reference", ROOT / "reference"))
+    assert not stale, f"measured with another reference or speed test: {stale}"
+
+
+def test_an_unknown_gpu_has_no_ratio_and_says_which_are_stored():
+    ratio, missing = stored_ratio("NVIDIA GeForce RTX 4090", "kernels.gelu", ((8192, 8192), "float32"))
+    assert ratio is None and MEASURED_ON in missing and "RTX 4090" in missing
+
+
+def test_a_changed_speed_test_makes_its_ratios_stale():
+    ratios = json.loads(RATIOS_FILE.read_text())
+    ratios["gpus"][MEASURED_ON]["problems"]["kernels.gelu"]["digests"]["grader"] = "0" * 64
+    kept, stale = speed_ratios.without_stale(ratios, PackageSpec("reference", ROOT / "reference"))
+    assert stale == {MEASURED_ON: ["kernels.gelu"]}
+    assert "kernels.gelu" not in kept["gpus"][MEASURED_ON]["problems"]
+    assert "kernels.softmax" in kept["gpus"][MEASURED_ON]["problems"]
+
+
+def test_the_moe_layer_oracle_agrees_with_the_reference():
+    """On a small case in float32: every judged position equals the reference's output; few are left unjudged."""
+    spec = speed_ratios.speed_spec("moe.moe_layer")
+    reference = load_problem_module(PackageSpec("reference", ROOT / "reference"), "moe.moe_layer")
+    args = spec.inputs((96, 32, 24, 8, 3, 2), "float32", seed=5, device=torch.device("cpu"))
+    output = spec.harness(reference.moe_layer, *args)
+    for seed in range(3):
+        expected = spec.oracle(args, seed)
+        judged = ~expected.isnan()
+        assert judged.float().mean() > 0.9
+        torch.testing.assert_close(expected[judged], sample(output, seed)[judged], rtol=1e-5, atol=1e-5)
+        check_sample(sample(output, seed), expected, torch.float32, "the reference's output")
+        with pytest.raises(Exception, match="differs from the expected one"):
+            check_sample(sample(output * 1.01, seed), expected, torch.float32, "a wrong output")
+
+
+def test_the_gpu_lane_sees_the_gpus_the_copy_hid(monkeypatch, tmp_path):
+    monkeypatch.setattr(students_copy, "RELEASE_FOLDER", tmp_path)
+    monkeypatch.setattr(students_copy, "_hidden", students_copy._NOT_SET)
+    monkeypatch.delenv(students_copy.GPU_LANE_VARIABLE, raising=False)
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    students_copy.hide_gpus_in_students_copy()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == ""
+    lane = students_copy.gpu_lane_environment()
+    assert lane["CUDA_VISIBLE_DEVICES"] == "2,3" and lane[students_copy.GPU_LANE_VARIABLE] == "1"
+    monkeypatch.setenv(students_copy.GPU_LANE_VARIABLE, "1")  # the lane itself hides nothing
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "2,3")
+    students_copy.hide_gpus_in_students_copy()
+    assert os.environ["CUDA_VISIBLE_DEVICES"] == "2,3"
+
+
+def test_the_copy_grades_speed_in_a_second_process(students_copy, tmp_path):
+    """With --gpu-lane on (as where this machine has GPUs), the speed tests run after the others in the GPU lane and
+    count in the same table: here, with no GPU in it either, they skip there as they would have here."""
+    impl = shutil.copytree(ROOT / "reference", tmp_path / "solution")
+    tests = ["grader/test_kernels_softmax.py::test_speed", "grader/test_kernels_softmax.py::test_matches_reference_fp32"]
+    runs = {choice: run_grader(impl, "--gpu-lane", choice, tests=tests, cwd=students_copy) for choice in ("on", "off")}
+    assert "now run in a second process that sees the GPUs" in runs["on"].output
+    assert "second process" not in runs["off"].output
+    verdicts = [{t["name"]: (t.get("status"), t["score"], t["max_score"]) for t in run.results["tests"]}
+                for run in runs.values()]
+    assert verdicts[0] == verdicts[1]
+    speed = [t for t in runs["on"].results["tests"] if "test_speed" in t["name"]]
+    assert len(speed) == 4 and all(t["output"].startswith("skipped: needs a GPU") for t in speed), speed
