@@ -20,11 +20,13 @@ have no single-GPU baseline: their speed points are given on submission.
 from __future__ import annotations
 
 import argparse
+import ast
 import hashlib
 import importlib
 import inspect
 import json
 import sys
+import textwrap
 from pathlib import Path
 
 import torch
@@ -53,11 +55,15 @@ def module_digests(reference: PackageSpec, spec: SpeedSpec, problem_id: str) -> 
 
 
 def source_of(function) -> str:
-    """A function's source; for one without Python source (torch.matmul), its name."""
+    """What a function computes, as text: its arguments and body (docstring left out) as a normalised AST, so that
+    moving, renaming or reformatting it changes nothing; for one without Python source (torch.matmul), its name."""
     try:
-        return inspect.getsource(function)
+        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
     except (OSError, TypeError):
         return f"{function.__module__}.{function.__qualname__}"
+    node = tree.body[0]
+    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
+    return ast.dump(node.args) + ast.dump(ast.Module(body=body, type_ignores=[]))
 
 
 def measure_ratio(spec: SpeedSpec, reference_function, case: tuple, calls: int = CALLS, seed: int = 0) -> dict:
