@@ -47,10 +47,11 @@ def speed_spec(problem_id: str) -> SpeedSpec | None:
 
 
 def module_digests(reference: PackageSpec, spec: SpeedSpec, problem_id: str) -> dict[str, str]:
-    """SHA-256 of what a problem's ratios depend on: the reference module's file, and the source of the functions
-    the speed test times and checks with (baseline, inputs, harness, oracle)."""
+    """SHA-256 of what a problem's ratios depend on: the reference module's code (its AST: comments and layout do
+    not count), and what the speed test's functions compute (baseline, inputs, harness, oracle)."""
     functions = [f for f in (spec.baseline, spec.inputs, spec.harness, spec.oracle) if f is not None]
-    return {"reference": hashlib.sha256(reference.module_file(problem_id).read_bytes()).hexdigest(),
+    reference_code = ast.dump(ast.parse(reference.module_file(problem_id).read_text()))
+    return {"reference": hashlib.sha256(reference_code.encode()).hexdigest(),
             "grader": hashlib.sha256("\n".join(map(source_of, functions)).encode()).hexdigest()}
 
 
