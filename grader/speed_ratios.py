@@ -20,13 +20,14 @@ have no single-GPU baseline: their speed points are given on submission.
 from __future__ import annotations
 
 import argparse
-import ast
 import hashlib
 import importlib
+import io
 import inspect
 import json
 import sys
 import textwrap
+import tokenize
 from pathlib import Path
 
 import torch
@@ -47,24 +48,31 @@ def speed_spec(problem_id: str) -> SpeedSpec | None:
 
 
 def module_digests(reference: PackageSpec, spec: SpeedSpec, problem_id: str) -> dict[str, str]:
-    """SHA-256 of what a problem's ratios depend on: the reference module's code (its AST: comments and layout do
-    not count), and what the speed test's functions compute (baseline, inputs, harness, oracle)."""
+    """SHA-256 of what a problem's ratios depend on: the reference module's code, and the code of the speed test's
+    functions (baseline, inputs, harness, oracle), comments and layout left out (code_text)."""
     functions = [f for f in (spec.baseline, spec.inputs, spec.harness, spec.oracle) if f is not None]
-    reference_code = ast.dump(ast.parse(reference.module_file(problem_id).read_text()))
+    reference_code = code_text(reference.module_file(problem_id).read_text())
     return {"reference": hashlib.sha256(reference_code.encode()).hexdigest(),
-            "grader": hashlib.sha256("\n".join(map(source_of, functions)).encode()).hexdigest()}
+            "grader": hashlib.sha256("\n".join(map(function_text, functions)).encode()).hexdigest()}
 
 
-def source_of(function) -> str:
-    """What a function computes, as text: its arguments and body (docstring left out) as a normalised AST, so that
-    moving, renaming or reformatting it changes nothing; for one without Python source (torch.matmul), its name."""
+def code_text(source: str) -> str:
+    """Python source as its tokens, without comments, line breaks or indentation, joined: what the digests compare.
+    Moving, rewrapping or commenting code leaves it unchanged, and so does the Python version (an AST's dump is not
+    the same on 3.11 and 3.12)."""
+    layout = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
+    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
+    return " ".join(token.string for token in tokens if token.type not in layout)
+
+
+def function_text(function) -> str:
+    """code_text of a function, its own name left out (so that renaming it changes nothing); for one without Python
+    source (torch.matmul), its name."""
     try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(function)))
+        source = textwrap.dedent(inspect.getsource(function))
     except (OSError, TypeError):
         return f"{function.__module__}.{function.__qualname__}"
-    node = tree.body[0]
-    body = node.body[1:] if ast.get_docstring(node) is not None else node.body
-    return ast.dump(node.args) + ast.dump(ast.Module(body=body, type_ignores=[]))
+    return code_text(source).replace(f"def {function.__name__} (", "def (", 1)
 
 
 def measure_ratio(spec: SpeedSpec, reference_function, case: tuple, calls: int = CALLS, seed: int = 0) -> dict:
@@ -74,8 +82,8 @@ def measure_ratio(spec: SpeedSpec, reference_function, case: tuple, calls: int =
                "baseline": grader_runner(timer, spec.timed(spec.baseline))}
 
     def check(args, outputs, sample_seed):
-        check_sample(spec.expected_sample(args, outputs["baseline"], sample_seed),
-                     sample(outputs["reference"], sample_seed), getattr(torch, case[1]),
+        check_sample(sample(outputs["reference"], sample_seed),
+                     spec.expected_sample(args, outputs["baseline"], sample_seed), getattr(torch, case[1]),
                      f"the students' copy's check of {spec.function}() on {case}, against the reference")
 
     medians = alternate(runners, spec.inputs, case, calls, seed, after_round=check)
