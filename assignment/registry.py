@@ -2,7 +2,7 @@
 
 One entry per problem. The entry's `id` is also the module path of the problem under an implementation package
 (`kernels.softmax` -> `student_impl/kernels/softmax.py`), the suffix of its grader test module
-(`grader/test_kernels_softmax.py`) and of its handout section (`assignment/handout/sections/kernels/softmax.typ`).
+(`grader/kernels/test_softmax.py`) and of its handout section (`assignment/handout/sections/kernels/softmax.typ`).
 """
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from pathlib import Path
 
 PROFILES = ("ci", "public", "grading")
 # A test's budget of student time is this multiple of the reference's time on the same inputs in the same test, and at
-# least the problem's `test_timeout_s` (see grader.budget).
+# least the problem's `test_timeout_s` (see grader.session.budget).
 REFERENCE_TIME_MULTIPLE = 10.0
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -50,6 +50,10 @@ class Problem:
     # (relative to the output's magnitude).
     error_multiple: float = 4.0
     floor_ulps: float = 8.0
+    # The student's code runs under these rules (grader.sandbox.worker): torch operators it may not call (the work it
+    # is to do itself), and whether its forward and backward must each launch a Triton kernel.
+    forbidden_ops: tuple[str, ...] = ()
+    uses_triton: bool = False
     extra: dict[str, object] = field(default_factory=dict)
     # Parallel family: per test group, what its points rest on. "outside": values the grader compares with its own
     # computation, which a rank given only its own inputs cannot produce without its peers; "in-process": what the
@@ -71,7 +75,7 @@ class Problem:
 
     @property
     def test_module(self) -> str:
-        return f"grader/test_{self.family}_{self.name}.py"
+        return f"grader/{self.family}/test_{self.name}.py"
 
     @property
     def handout_section(self) -> Path:
@@ -80,6 +84,20 @@ class Problem:
     @property
     def max_points(self) -> float:
         return sum(self.points.values())
+
+
+# Attention's own kernels, in torch or behind the softmax, which both attention problems write themselves.
+ATTENTION_FORBIDDEN_OPS = (
+    "aten._scaled_dot_product_flash_attention",
+    "aten._scaled_dot_product_flash_attention_for_cpu",
+    "aten._scaled_dot_product_efficient_attention",
+    "aten._scaled_dot_product_cudnn_attention",
+    "aten._flash_attention_forward",
+    "aten._efficient_attention_forward",
+    "aten._softmax",
+    "aten.softmax",
+    "aten._safe_softmax",
+)
 
 
 PROBLEMS: tuple[Problem, ...] = (
@@ -96,6 +114,8 @@ PROBLEMS: tuple[Problem, ...] = (
             "speed": 4,
         },
         budgets={"ci": 6, "public": 25, "grading": 150},
+        uses_triton=True,
+        forbidden_ops=("aten._softmax", "aten.softmax", "aten._safe_softmax", "aten.special_softmax"),
         speed=SpeedThreshold(shapes=((8192, 4096), (4096, 32768))),
     ),
     Problem(
@@ -110,6 +130,8 @@ PROBLEMS: tuple[Problem, ...] = (
             "speed": 2,
         },
         budgets={"ci": 6, "public": 25, "grading": 150},
+        uses_triton=True,
+        forbidden_ops=("aten.gelu", "aten.gelu_"),
         speed=SpeedThreshold(shapes=((8192, 8192),)),
     ),
     Problem(
@@ -125,6 +147,9 @@ PROBLEMS: tuple[Problem, ...] = (
             "speed": 2,
         },
         budgets={"ci": 6, "public": 25, "grading": 150},
+        uses_triton=True,
+        # One packet: Tensor.sum(), torch.sum(x, dim) and the dtype= forms all dispatch to overloads of aten.sum.
+        forbidden_ops=("aten.sum",),
         speed=SpeedThreshold(shapes=((8192, 8192), (1024, 65536))),
     ),
     Problem(
@@ -141,6 +166,23 @@ PROBLEMS: tuple[Problem, ...] = (
             "speed": 3,
         },
         budgets={"ci": 5, "public": 20, "grading": 120},
+        uses_triton=True,
+        forbidden_ops=(
+            "aten.mm",
+            "aten.matmul",
+            "aten.addmm",
+            "aten._addmm_activation",
+            "aten.bmm",
+            "aten.baddbmm",
+            "aten.addbmm",
+            "aten.dot",
+            "aten.vdot",
+            "aten.mv",
+            "aten.addmv",
+            "aten.linear",
+            "aten.einsum",
+            "aten.tensordot",
+        ),
         speed=SpeedThreshold(shapes=((4096, 4096, 4096),), dtypes=("bfloat16", "float16")),
         # A lower floor than the default: at GPU sizes (K in the thousands) it separates an fp16 accumulator (about
         # 1.3 ulps of the output's scale) from fp32 accumulation.
@@ -159,6 +201,8 @@ PROBLEMS: tuple[Problem, ...] = (
             "speed": 2,
         },
         budgets={"ci": 5, "public": 20, "grading": 120},
+        uses_triton=True,
+        forbidden_ops=("aten.rms_norm", "aten._fused_rms_norm", "aten._fused_rms_norm_backward"),
         # 16384 x 8192: long enough (~0.1 ms in bf16) that launch jitter cannot move a verdict; at 8192 x 4096 the
         # reference against itself ranged 0.65-1.67x.
         speed=SpeedThreshold(shapes=((16384, 8192),)),
@@ -175,6 +219,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "invalid_arguments": 1,
         },
         budgets={"ci": 5, "public": 20, "grading": 120},
+        forbidden_ops=ATTENTION_FORBIDDEN_OPS,
     ),
     Problem(
         id="kernels.flash_attention_triton",
@@ -192,6 +237,8 @@ PROBLEMS: tuple[Problem, ...] = (
             "speed": 4,
         },
         budgets={"ci": 4, "public": 15, "grading": 100},
+        uses_triton=True,
+        forbidden_ops=ATTENTION_FORBIDDEN_OPS,
         # Forward only, against the reference and torch's FlashAttention-2 (SDPA's flash backend); shape is
         # (batch, heads, seq, head_dim, causal).
         speed=SpeedThreshold(shapes=((4, 16, 4096, 64, 0), (4, 16, 4096, 128, 1)), dtypes=("bfloat16",)),
@@ -690,9 +737,9 @@ def use_world_sizes(world_sizes: tuple[int, ...]) -> None:
 
 
 def problem_for_test_module(module_name: str) -> Problem | None:
-    """The problem graded by a test module named `test_<family>_<name>` (None for any other module)."""
-    stem = module_name.rsplit(".", 1)[-1]
+    """The problem graded by the test module `grader.<family>.test_<name>` (None for any other module)."""
+    family, _, stem = module_name.rpartition(".")
     for problem in PROBLEMS:
-        if stem == f"test_{problem.family}_{problem.name}":
+        if stem == f"test_{problem.name}" and family.endswith(f"grader.{problem.family}"):
             return problem
     return None

@@ -4,7 +4,7 @@
 
 The configuration is the speed test's: T = 16384 tokens of width D = 2048, E = 64 routed experts of hidden size
 H = 1408 with top-6 routing, and S = 2 shared experts of hidden size 1408, in bfloat16. The idealised grouped GEMM
-(grader.test_moe_moe_layer.idealised_grouped_gemm) runs the T k routed rows through one expert's weights as plain
+(grader.moe.test_moe_layer.idealised_grouped_gemm) runs the T k routed rows through one expert's weights as plain
 dense matmuls, plus the shared experts: every FLOP of the layer, with none of the routing, sorting, gathering or
 per-expert launches. The ratio of the two times is the cost of the dispatch. Times are medians of CUDA-event timings
 (triton.testing.do_bench) of torch.autograd.grad of the output to all eight inputs, alternating between two input
@@ -24,7 +24,7 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grader.test_moe_moe_layer import idealised_grouped_gemm, speed_inputs  # noqa: E402
+from grader.moe.speed_cases import idealised_grouped_gemm, moe_layer_inputs  # noqa: E402
 from reference.moe.moe_layer import moe_layer  # noqa: E402
 
 SHAPE = (16384, 2048, 1408, 64, 6, 2)  # T, D, H, E, k, S
@@ -66,7 +66,7 @@ def main() -> None:
     mm = [(torch.randn(8192, 8192, device=device, dtype=torch.bfloat16),) * 2 for _ in range(2)]
     matmul_rate = 2 * 8192**3 / triton.testing.do_bench(lambda: torch.matmul(*mm[0]), return_mode="median") / 1e9
     del mm
-    input_sets = [speed_inputs(SHAPE, DTYPE, seed, device) for seed in range(INPUT_SETS)]
+    input_sets = [moe_layer_inputs(SHAPE, DTYPE, seed, device) for seed in range(INPUT_SETS)]
     reference_ms = forward_backward_ms(moe_layer, input_sets)
     ideal_ms = forward_backward_ms(idealised_grouped_gemm, [first_expert_only(inputs) for inputs in input_sets])
     flops = layer_flops(tokens, width, hidden, k, shared)

@@ -11,7 +11,6 @@ benchmarks/results/speed_stability.md.
 from __future__ import annotations
 
 import argparse
-import importlib
 import platform
 import sys
 from pathlib import Path
@@ -23,9 +22,10 @@ import torch  # noqa: E402
 import triton  # noqa: E402
 
 from assignment.registry import PROBLEMS  # noqa: E402
-from grader import profiles  # noqa: E402
-from grader.packages import load_problem_module, resolve  # noqa: E402
+from grader.checks import profiles  # noqa: E402
+from grader.session.packages import load_problem_module, resolve  # noqa: E402
 from grader.sandbox.client import Sandbox  # noqa: E402
+from grader.speed.grading import speed_spec  # noqa: E402
 
 
 def main() -> None:
@@ -39,17 +39,16 @@ def main() -> None:
     flips = 0
     chosen = args.problems.split(",") if args.problems else [p.id for p in PROBLEMS]
     for problem in (p for p in PROBLEMS if p.speed is not None and p.id in chosen):
-        test_module = importlib.import_module(problem.test_module.removesuffix(".py").replace("/", "."))
-        if not hasattr(test_module, "SPEED"):  # distributed problems time whole training steps over several GPUs
+        spec = speed_spec(problem.id)
+        if spec is None:  # distributed problems time whole training steps over several GPUs
             print(f"{problem.id}: timed by its grader's test_speed on several GPUs, not here", flush=True)
             continue
         reference_module = load_problem_module(reference, problem.id)
         sandbox = Sandbox(problem.id, reference, reference, call_timeout_s=600,
-                          forbidden_ops=getattr(test_module, "FORBIDDEN_OPS", ()),
-                          uses_triton=getattr(test_module, "USES_TRITON", False))
+                          forbidden_ops=problem.forbidden_ops, uses_triton=problem.uses_triton)
         try:
             for case in problem.speed.cases():
-                verdicts = [test_module.SPEED.run(sandbox, reference_module, case, problem.speed, seed=run)
+                verdicts = [spec.run(sandbox, reference_module, case, problem.speed, seed=run)
                             for run in range(args.runs)]
                 ratios = sorted(v.ratio for v in verdicts)
                 off_top = sum(v.fraction != problem.speed.tiers[0][1] for v in verdicts)

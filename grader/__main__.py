@@ -19,7 +19,8 @@ from assignment.registry import problem_ids
 from grader.cluster.jobs import ClusterOptions, default_executor
 
 
-INSTRUCTOR_COMMANDS = ("gradescope", "release")  # modules of the same names, absent from the students' copy
+# The instructor's commands and their modules, absent from the students' copy.
+INSTRUCTOR_COMMANDS = {"gradescope": "grader.release.gradescope", "release": "grader.release.students_copy"}
 
 
 def problem_selection(problems: str | None, select: str | None) -> tuple[list[str] | None, tuple[str, ...]]:
@@ -66,7 +67,7 @@ def reference_path(value: str) -> str:
     """The reference's directory; "" in the students' copy, where the cluster's site file chooses it (and the profile
     and seed) on the node that grades (grader.cluster.site)."""
     from grader.expectations import students_copy_folder
-    from grader.packages import resolve
+    from grader.session.packages import resolve
 
     try:
         return str(resolve(value, [str(Path.cwd()), str(Path(__file__).resolve().parent.parent)]).path)
@@ -107,9 +108,9 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("check-isolation", help="say which sandbox student code would get on this machine, and why")
     instructor_commands = {}
-    for name in INSTRUCTOR_COMMANDS:
+    for name, module in INSTRUCTOR_COMMANDS.items():
         try:
-            instructor_commands[name] = importlib.import_module(f"grader.{name}")
+            instructor_commands[name] = importlib.import_module(module)
         except ModuleNotFoundError:
             continue  # the students' copy
         instructor_commands[name].add_command(commands)

@@ -4,7 +4,7 @@ Triton's interpreter must be chosen before triton is first imported, so that com
 students' copy, the GPUs are hidden (its stored expectations are the CPU's draws).
 """
 
-from grader.backend import use_interpreter_without_gpu
+from grader.session.backend import use_interpreter_without_gpu
 from grader.expectations import hide_gpus_in_students_copy
 
 hide_gpus_in_students_copy()

@@ -18,18 +18,20 @@ import torch
 
 from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
-from grader import backend, budget, expectations, lanes, outer_timeout, profiles, reference_lock, seal, stubs
+from grader.session import backend, budget, lanes, outer_timeout, reference_lock, seal
+from grader import expectations
+from grader.checks import profiles, stubs
 from grader.cluster.snapshot import snapshot
 from grader.distributed.launcher import RankJob, launcher_for
-from grader.context import Context, current, secret_seed, set_current, take_secret_seed
-from grader.outcomes import NotImplementedByStudent
-from grader.outer_timeout import pytest_timeout_set_timer  # noqa: F401 - pytest-timeout's hook, owned here
-from grader.packages import PackageSpec, load_problem_module, resolve
-from grader.progress import Progress
-from grader.report import failure_summary, isolation_line, results_json, score_table
+from grader.session.context import Context, current, secret_seed, set_current, take_secret_seed
+from grader.checks.outcomes import NotImplementedByStudent
+from grader.session.outer_timeout import pytest_timeout_set_timer  # noqa: F401 - pytest-timeout's hook, owned here
+from grader.session.packages import PackageSpec, load_problem_module, resolve
+from grader.session.progress import Progress
+from grader.session.report import failure_summary, isolation_line, results_json, score_table
 from grader.sandbox import isolation
 from grader.sandbox.client import Sandbox
-from grader.scoring import TestResult, by_problem, classify
+from grader.session.scoring import TestResult, by_problem, classify
 
 RESULTS = pytest.StashKey[dict]()
 # A test that earns part of its points (speed tiers) says so through the `partial_credit` fixture.
@@ -182,7 +184,7 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[STARTED] = time.monotonic()
     if not shows_every_failure(config):
         # pytest's own failure sections go: the summary prints one line per failure and the first of each problem in
-        # full (see grader.report.failure_summary).
+        # full (see grader.session.report.failure_summary).
         config.option.tbstyle = "no"
         config.option.reportchars = config.option.reportchars.replace("f", "").replace("F", "")
 
@@ -273,7 +275,7 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
 
 def lock_reference(config: pytest.Config, items: list[pytest.Item]) -> None:
     """Import the reference modules of the selected problems and hash the reference's files, before any student code
-    starts (see grader.reference_lock)."""
+    starts (see grader.session.reference_lock)."""
     reference = current().reference
     config.stash[REFERENCE_HASHES] = reference_lock.fingerprint(reference.path)
     modules = {}
@@ -315,8 +317,8 @@ def student(request: pytest.FixtureRequest, problem: Problem):
         context.reference,
         isolation=context.isolation,
         call_timeout_s=problem.call_timeout_s * request.config.getoption("--timeout-scale"),
-        forbidden_ops=getattr(request.module, "FORBIDDEN_OPS", ()),
-        uses_triton=getattr(request.module, "USES_TRITON", False),
+        forbidden_ops=problem.forbidden_ops,
+        uses_triton=problem.uses_triton,
         forbid_torch_data_parallel=problem.family == "parallel",
         stubs=stubs.stub_functions(context.graded.module_file(problem.id)),
     )
@@ -503,7 +505,7 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
 
 
 def record_for_parent(config: pytest.Config, record: tuple) -> None:
-    """In a lane of --jobs: pass the record to the process that started the lane (see grader.lanes)."""
+    """In a lane of --jobs: pass the record to the process that started the lane (see grader.session.lanes)."""
     path = config.getoption("--lane-record")
     if path:
         lanes.append_record(Path(path), record)
@@ -525,7 +527,7 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtestloop(session: pytest.Session):
-    """Where the tests run. With --jobs N and more than one problem selected, in N lanes (grader.lanes), not here.
+    """Where the tests run. With --jobs N and more than one problem selected, in N lanes (grader.session.lanes), not here.
     In the students' copy, which grades on the CPU, the speed tests wait for the GPU lane, which runs them after the
     others with the GPUs visible (grader.expectations.students_copy)."""
     every_item = list(session.items)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from grader.backend import use_interpreter_without_gpu
+from grader.session.backend import use_interpreter_without_gpu
 
 use_interpreter_without_gpu()
 
@@ -37,7 +37,7 @@ def reference_recorded(tmp_path_factory):
 @pytest.fixture(scope="session")
 def students_copy(reference_recorded, tmp_path_factory):
     """A students' copy of every problem (no reference in it) holding the ci profile's expectations."""
-    from grader import release
+    from grader.release import students_copy as release
 
     run, folder = reference_recorded
     if run.returncode != 0:

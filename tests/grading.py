@@ -33,7 +33,7 @@ class GraderRun:
 def run_grader(impl: str | Path, *pytest_args: str, profile: str = "ci", timeout_s: float = 900,
                env: dict | None = None, results_path: Path | None = None,
                tests: Sequence[str] = ("grader",), cwd: Path = ROOT) -> GraderRun:
-    """`tests`: what pytest collects, the whole grader or node ids such as grader/test_moe_router.py::test_losses;
+    """`tests`: what pytest collects, the whole grader or node ids such as grader/moe/test_router.py::test_losses;
     `cwd`: the repository whose grader runs (a students' copy, say)."""
     with tempfile.TemporaryDirectory() as scratch:
         results_path = results_path or Path(scratch) / "results.json"

@@ -23,7 +23,7 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from assignment.registry import PROBLEMS
+from assignment.registry import BY_ID, PROBLEMS
 from tests.grading import ROOT
 
 WRONG = Path(__file__).resolve().parent / "wrong"
@@ -63,7 +63,7 @@ class Mutant:
 
     @property
     def node_id(self) -> str:
-        return f"grader/test_{self.problem.replace('.', '_')}.py::{self.test}"
+        return f"{BY_ID[self.problem].test_module}::{self.test}"
 
     def source(self, seen: tuple[str, ...] = ()) -> str:
         if self.id in seen:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from grader import backend
+from grader.session import backend
 
 
 @pytest.mark.parametrize("version, released", [("3.9.0", (3, 9)), ("3.10.1+git5", (3, 10)), ("3.9.0rc1", (3, 9)),

@@ -240,7 +240,7 @@ def test_problems_select_exactly_their_own_tests():
         [sys.executable, "-m", "pytest", "grader", "--collect-only", "-q", "-p", "no:cacheprovider", *pytest_args],
         cwd=ROOT, capture_output=True, text=True, timeout=300)
     files = {line.split("::")[0] for line in collected.stdout.splitlines() if "::" in line}
-    assert files == {"grader/test_parallel_ddp.py", "grader/test_moe_router.py"}, collected.stdout + collected.stderr
+    assert files == {"grader/parallel/test_ddp.py", "grader/moe/test_router.py"}, collected.stdout + collected.stderr
     assert problem_ids == ["parallel.ddp", "moe.router"]
 
 

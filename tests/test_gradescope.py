@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from grader.gradescope import ROOT_VARIABLE
+from grader.release.gradescope import ROOT_VARIABLE
 from tests.grading import ROOT
 from tests.mutants import WRONG, load, materialise
 

@@ -1,12 +1,12 @@
 """`pytest grader --jobs N`: problems graded in concurrent lanes give the same table, failures and results file as
-one process, and a lane's results reach the parent whole (grader.lanes)."""
+one process, and a lane's results reach the parent whole (grader.session.lanes)."""
 
 from __future__ import annotations
 
 import shutil
 
 from assignment.registry import PROBLEMS
-from grader import lanes
+from grader.session import lanes
 from tests import mutants
 from tests.grading import ROOT, assert_fails_for, run_grader
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from grader.distributed.launcher import LocalLauncher, RankJob, SubmititLauncher
-from grader.outcomes import StudentCrashed, StudentError, StudentTimedOut
-from grader.packages import resolve
+from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut
+from grader.session.packages import resolve
 from grader.sandbox import isolation
 from tests.grading import ROOT, processes_with
 

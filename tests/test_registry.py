@@ -37,7 +37,7 @@ def test_problem_has_its_five_places(problem):
     assert (ROOT / "reference" / problem.module_path).exists()
     assert (ROOT / problem.test_module).exists()
     assert problem.handout_section.exists()
-    assert problem_for_test_module(f"grader.test_{problem.family}_{problem.name}") is problem
+    assert problem_for_test_module(f"grader.{problem.family}.test_{problem.name}") is problem
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)

@@ -19,7 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from grader import expectations, release
+from grader import expectations
+
+from grader.release import students_copy as release
 from tests import mutants
 from tests.grading import ROOT, run_grader
 

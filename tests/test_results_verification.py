@@ -1,5 +1,5 @@
 """The cluster commands accept a results file only from a grader that exited with 0 or 1 and signed it with this
-job's key and nonce (grader.seal); every other file is "not graded: results failed verification"."""
+job's key and nonce (grader.session.seal); every other file is "not graded: results failed verification"."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
-from grader import seal
+from grader.session import seal
 from grader.cluster.grading_job import GradingRequest
 from grader.cluster.jobs import outcome
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from hypothesis.errors import FlakyFailure
 
-from grader.outcomes import StudentTimedOut, WrongAnswer
-from grader.scoring import classify
+from grader.checks.outcomes import StudentTimedOut, WrongAnswer
+from grader.session.scoring import classify
 
 
 def test_a_failure_that_did_not_repeat_keeps_its_own_status():

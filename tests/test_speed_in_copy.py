@@ -1,5 +1,5 @@
 """Speed points in the students' copy, which has no reference: the student's time against the baseline, turned into
-"x the reference" by the ratio stored per GPU model (grader.speed, grader.speed_ratios).
+"x the reference" by the ratio stored per GPU model (grader.speed.grading, grader.speed.ratios).
 
 Timing needs a GPU; here the parts around it are checked: the shipped ratios cover every single-GPU speed case and
 were measured with the reference and speed tests of this tree, the oracle the copy checks moe.moe_layer's timed
@@ -16,11 +16,11 @@ import pytest
 import torch
 
 from assignment.registry import PROBLEMS
-from grader import speed_ratios
+from grader.speed import ratios as speed_ratios
 from grader.expectations import students_copy
-from grader.packages import PackageSpec, load_problem_module
-from grader.speed import RATIOS_FILE, check_sample, stored_ratio
-from grader.timing import sample
+from grader.session.packages import PackageSpec, load_problem_module
+from grader.speed.grading import RATIOS_FILE, check_sample, stored_ratio
+from grader.speed.timing import sample
 from tests.grading import ROOT, run_grader
 
 MEASURED_ON = "NVIDIA H200"
@@ -92,7 +92,7 @@ def test_the_copy_grades_speed_in_a_second_process(students_copy, tmp_path):
     """With --gpu-lane on (as where this machine has GPUs), the speed tests run after the others in the GPU lane and
     count in the same table: here, with no GPU in it either, they skip there as they would have here."""
     impl = shutil.copytree(ROOT / "reference", tmp_path / "solution")
-    tests = ["grader/test_kernels_softmax.py::test_speed", "grader/test_kernels_softmax.py::test_matches_reference_fp32"]
+    tests = ["grader/kernels/test_softmax.py::test_speed", "grader/kernels/test_softmax.py::test_matches_reference_fp32"]
     runs = {choice: run_grader(impl, "--gpu-lane", choice, tests=tests, cwd=students_copy) for choice in ("on", "off")}
     assert "now run in a second process that sees the GPUs" in runs["on"].output
     assert "second process" not in runs["off"].output

@@ -15,7 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from grader import budget, stubs
+from grader.session import budget
+
+from grader.checks import stubs
 from tests.grading import ROOT, run_grader
 
 STUB_SOURCE = '''
@@ -92,9 +94,9 @@ def collected(*args: str) -> set[str]:
 
 
 def test_problem_option_selects_exactly_that_problem():
-    assert collected("--problem", "moe.router") == {"grader/test_moe_router.py"}
-    assert collected("--problem", "kernels.softmax,parallel.ddp") == {"grader/test_kernels_softmax.py",
-                                                                      "grader/test_parallel_ddp.py"}
+    assert collected("--problem", "moe.router") == {"grader/moe/test_router.py"}
+    assert collected("--problem", "kernels.softmax,parallel.ddp") == {"grader/kernels/test_softmax.py",
+                                                                      "grader/parallel/test_ddp.py"}
     done = subprocess.run([sys.executable, "-m", "pytest", "grader", "--problem", "moe.ruoter", "-q"], cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "unknown problem moe.ruoter" in done.stdout + done.stderr
@@ -122,7 +124,7 @@ def test_the_grader_own_limit_fails_a_test_and_grading_goes_on():
     lines = [line.strip() for line in run.output.splitlines() if line.strip().startswith("reproduce: ")]
     assert lines, run.output[-3000:]
     command = shlex.split(lines[0].removeprefix("reproduce: "))
-    assert command[1].startswith("grader/test_moe_accounting.py::test_"), command
+    assert command[1].startswith("grader/moe/test_accounting.py::test_"), command
     rerun = subprocess.run([sys.executable, "-m", *command, "--collect-only", "-q", "-p", "no:cacheprovider"],
                            cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert [line for line in rerun.stdout.splitlines() if "::" in line] == [command[1]], rerun.stdout
@@ -153,8 +155,8 @@ def test_timed_reference_counts_function_calls_only():
 def test_a_small_failing_case_shows_its_values():
     import torch
 
-    from grader.compare import SHOWN_WHOLE
-    from grader.strategies import TensorCase
+    from grader.checks.compare import SHOWN_WHOLE
+    from grader.checks.strategies import TensorCase
 
     small = TensorCase(shape=(2, 2), dtype=torch.float32, layout="contiguous", regime="normal", seed=5)
     shown = small.describe().partition("elements=")[2]

@@ -8,9 +8,9 @@ import random
 
 import torch
 
-from grader.compare import assert_close
-from grader.outcomes import WrongAnswer
-from grader import test_parallel_ddp as ddp
+from grader.checks.compare import assert_close
+from grader.checks.outcomes import WrongAnswer
+from grader.parallel import test_ddp as ddp
 
 CONFIGS = 150
 

@@ -1,7 +1,7 @@
 """What runs inside a grading job: `pytest grader` on a snapshot, its results file written where the caller reads it.
 
 The job's function returns pytest's exit status; verdicts travel in the results file, which the caller accepts only
-when that status is 0 or 1 and the file carries this run's signature (see grader.seal). The signing key is a file
+when that status is 0 or 1 and the file carries this run's signature (see grader.session.seal). The signing key is a file
 beside the snapshot, outside every sandbox; only its path is handed to the grader, which removes it from its
 environment before any student process starts.
 """
@@ -15,9 +15,9 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from grader import seal
+from grader.session import seal
 from grader.cluster import site
-from grader.context import SECRET_SEED_FILE_VARIABLE
+from grader.session.context import SECRET_SEED_FILE_VARIABLE
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 NO_SITE_STATUS = 4  # not graded: no site file says how (a request from the students' copy)

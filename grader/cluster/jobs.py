@@ -17,7 +17,7 @@ from pathlib import Path
 import submitit
 
 from assignment.registry import PROBLEMS
-from grader import seal
+from grader.session import seal
 from grader.cluster.grading_job import GradingRequest
 
 # Slurm's final states that say nothing about the student's code; submitit's local executor says INTERRUPTED.

@@ -31,9 +31,9 @@ from pathlib import Path
 
 import torch
 
-from grader.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
+from grader.checks.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
 from grader.distributed.host import group_sandbox, rank_data_fds
-from grader.packages import PackageSpec
+from grader.session.packages import PackageSpec
 from grader.sandbox.client import exit_description, kill_group
 from grader.sandbox.isolation import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode

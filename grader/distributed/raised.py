@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from grader.outcomes import WrongAnswer
+from grader.checks.outcomes import WrongAnswer
 
 
 def raised_by(attempts: dict[str, Callable[[], object]]) -> dict[str, list[str] | None]:

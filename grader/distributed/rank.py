@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from grader.distributed import recorder
-from grader.packages import PackageSpec, load_problem_module
+from grader.session.packages import PackageSpec, load_problem_module
 from grader.sandbox import guards
 from grader.sandbox.isolation import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode, to_plain

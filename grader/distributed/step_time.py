@@ -17,8 +17,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from grader.outcomes import WrongAnswer
-from grader.speed import ON_SUBMISSION, tier_fraction
+from grader.checks.outcomes import WrongAnswer
+from grader.speed.grading import ON_SUBMISSION, tier_fraction
 
 WARMUP_STEPS = 3
 TIMED_STEPS = 10

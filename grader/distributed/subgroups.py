@@ -12,7 +12,7 @@ from collections.abc import Callable, Sequence
 
 import torch.distributed as dist
 
-from grader.outcomes import StudentAbort, StudentCrashed, StudentError, StudentTimedOut
+from grader.checks.outcomes import StudentAbort, StudentCrashed, StudentError, StudentTimedOut
 
 # Group g's seed is the drawn seed + g * SEED_STRIDE: far from the per-rank seed offsets graders add (rank * 101).
 SEED_STRIDE = 1_000_003

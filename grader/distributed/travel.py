@@ -7,7 +7,7 @@ values and no communication in its step. Counting the bytes its step moves shows
 
 from __future__ import annotations
 
-from grader.outcomes import WrongAnswer
+from grader.checks.outcomes import WrongAnswer
 
 
 def check_parameters_travel(step_calls: list[list[tuple]], sizes: list[int], owners: list, rank: int,

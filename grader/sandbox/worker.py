@@ -24,8 +24,8 @@ from pathlib import Path
 
 import torch
 
-from grader.packages import PackageSpec, load_problem_module
-from grader import timing
+from grader.session.packages import PackageSpec, load_problem_module
+from grader.speed import timing
 from grader.sandbox import guards
 from grader.sandbox.allowed_ops import ALLOWED_OPS
 from grader.sandbox.triton_traffic import TRAFFIC

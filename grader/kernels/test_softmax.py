@@ -1,0 +1,110 @@
+"""Grading kernels.softmax: softmax over the last dimension, in Triton."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import example, given, strategies as st
+
+from assignment.registry import BY_ID
+from grader.checks.compare import assert_close, assert_contiguous, assert_raises
+from grader.session.context import current
+from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.profiles import examples
+from grader.kernels.speed_cases import SPEEDS
+from grader.speed.grading import grade_speed
+from grader.checks.strategies import TensorCase, dims, leading_shapes, long_lengths, size_scale, tensor_cases
+
+PROBLEM = BY_ID["kernels.softmax"]
+
+
+def row_shapes(max_cols: int, max_rows: int = 12) -> st.SearchStrategy[tuple[int, ...]]:
+    # Tiles of the usual power-of-two block sizes, so that n = block +- 1 is drawn often.
+    return st.tuples(leading_shapes(max_rows), dims(max_cols, tiles=(16, 32, 64, 128, 256, 512, 1024))).map(
+        lambda parts: (*parts[0], parts[1])
+    )
+
+
+def check(student, reference, case: TensorCase) -> None:
+    x = case.make(current().device)
+    with student.describing(case.describe()):
+        reply, (expected64, at_dtype) = student.call_beside(
+            lambda: (reference.softmax_torch(x.double()), reference.softmax(x)), "softmax", x)
+    actual = reply["value"]
+    assert_contiguous(actual, "softmax(x)", case.describe())
+    assert_close(
+        actual,
+        expected64,
+        at_dtype,
+        what="softmax(x)",
+        context=case.describe(),
+        multiple=PROBLEM.error_multiple,
+        floor_ulps=PROBLEM.floor_ulps,
+    )
+
+
+@examples(PROBLEM)
+# A leading dim of size 0: the contract's empty output, in every profile.
+@example(case=TensorCase((0, 5), torch.float32))
+@example(case=TensorCase((2, 0, 7), torch.float32))
+# The layouts the contract names that assume-adjacent-rows code gets wrong: rows of a wider tensor, rows broadcast.
+@example(case=TensorCase((4, 37), torch.float32, "row_padded", "normal", 1))
+@example(case=TensorCase((4, 37), torch.float32, "expanded", "normal", 2))
+@given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float32))
+def test_matches_reference_fp32(student, reference, case):
+    check(student, reference, case)
+
+
+@examples(PROBLEM)
+@given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float16, regimes=("normal", "ties", "tiny")))
+def test_matches_reference_fp16(student, reference, case):
+    check(student, reference, case)
+
+
+@bf16_gpu_only
+@examples(PROBLEM)
+@given(case=tensor_cases(row_shapes(96 * size_scale()), torch.bfloat16, regimes=("normal", "ties", "tiny")))
+def test_matches_reference_bf16(student, reference, case):
+    check(student, reference, case)
+
+
+@examples(PROBLEM, 0.25)
+@given(
+    case=tensor_cases(
+        # Up to 40k columns under `ci` (past the reference's 16k single-pass limit too), 100k+ on a GPU.
+        st.tuples(st.integers(1, 2), long_lengths(5_000 * size_scale(), 40_000 * size_scale())),
+        torch.float32,
+        layouts=("contiguous", "sliced", "row_padded"),
+        regimes=("normal", "large"),
+    )
+)
+def test_long_rows(student, reference, case):
+    """Rows far longer than one block: 100k columns on a GPU (fewer under the interpreter)."""
+    check(student, reference, case)
+
+
+@examples(PROBLEM, 0.5)
+@given(case=tensor_cases(row_shapes(96 * size_scale()), torch.float32, regimes=("large",)))
+def test_large_magnitudes(student, reference, case):
+    """Inputs of magnitude 1e4: exp overflows unless the row maximum is subtracted first."""
+    check(student, reference, case)
+
+
+INVALID = [
+    pytest.param(lambda device: torch.tensor(1.0, device=device), "ValueError", id="zero-dim"),
+    pytest.param(lambda device: torch.ones(3, 0, device=device), "ValueError", id="empty-rows"),
+    pytest.param(lambda device: torch.ones(3, 4, dtype=torch.int32, device=device), "TypeError", id="int32"),
+    pytest.param(lambda device: torch.ones(3, 4, dtype=torch.float64, device=device), "TypeError", id="float64"),
+]
+
+
+@pytest.mark.parametrize("make_input, expected_error", INVALID)
+def test_invalid_arguments(student, make_input, expected_error):
+    x = make_input(current().device)
+    assert_raises(student.raises("softmax", x), expected_error, f"softmax(x) for x of shape {tuple(x.shape)} and {x.dtype}")
+
+
+@gpu_only
+@pytest.mark.parametrize("case", PROBLEM.speed.cases(), ids=str)
+def test_speed(student, reference, partial_credit, case):
+    grade_speed(SPEEDS[PROBLEM.id], student, reference, case, PROBLEM.speed, partial_credit)
