@@ -33,11 +33,11 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
+import torch
 
-from assignment.registry import BY_ID, PROBLEMS, PROFILES  # noqa: E402
-from grader.session.context import SECRET_SEED_FILE_VARIABLE, SECRET_SEED_VARIABLE  # noqa: E402
-from grader.session.report import machine_description, points  # noqa: E402
+from assignment.registry import BY_ID, PROBLEMS, PROFILES
+from grader.session.context import SECRET_SEED_FILE_VARIABLE, SECRET_SEED_VARIABLE
+from grader.session.report import machine_description, points
 
 RESULTS_MD = ROOT / "benchmarks" / "results" / "grading_time.md"
 RESULTS_JSON = ROOT / "benchmarks" / "results" / "grading_time.json"
@@ -237,7 +237,8 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=1,
                         help="per-problem runs at once; above 1 they slow each other and the times say less")
     parser.add_argument("--lanes", type=int, default=1,
-                        help="the whole run's --jobs: its problems in this many concurrent lanes (grader/session/lanes.py)")
+                        help="the whole run's --jobs: its problems in this many concurrent lanes "
+                             "(grader/session/lanes.py)")
     parser.add_argument("--compare", action="store_true", help="print before vs after for the records replaced")
     args = parser.parse_args()
     problems, profiles, modes = args.problems.split(","), args.profiles.split(","), args.modes.split(",")

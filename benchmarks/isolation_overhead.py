@@ -63,7 +63,8 @@ def main() -> None:
         "# Isolation overhead",
         "",
         f"Public grade of the reference for {', '.join(problems)}; median of {args.rounds} run(s) each, alternating.",
-        f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, Python {platform.python_version()}.",
+        f"Machine: {platform.node()}, {os.cpu_count()} CPUs, {platform.platform()}, "
+        f"Python {platform.python_version()}.",
         f"Before: revision {args.before} (no sandbox).",
         "",
         "| run | seconds | vs before |",

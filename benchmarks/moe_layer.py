@@ -24,8 +24,8 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from grader.moe.speed_cases import idealised_grouped_gemm, moe_layer_inputs  # noqa: E402
-from reference.moe.moe_layer import moe_layer  # noqa: E402
+from grader.moe.speed_cases import idealised_grouped_gemm, moe_layer_inputs
+from reference.moe.moe_layer import moe_layer
 
 SHAPE = (16384, 2048, 1408, 64, 6, 2)  # T, D, H, E, k, S
 DTYPE = "bfloat16"
@@ -59,18 +59,22 @@ def layer_flops(tokens: int, width: int, hidden: int, k: int, shared: int) -> fl
     return 3 * forward
 
 
+def bf16_matmul_rate(device: torch.device) -> float:
+    """TFLOP/s of torch.matmul on two 8192^2 bf16 matrices: the GPU's practical matmul rate."""
+    a = torch.randn(8192, 8192, device=device, dtype=torch.bfloat16)
+    return 2 * 8192**3 / triton.testing.do_bench(lambda: torch.matmul(a, a), return_mode="median") / 1e9
+
+
 def main() -> None:
     assert torch.cuda.is_available(), "this benchmark needs a GPU"
     device = torch.device("cuda")
     tokens, width, hidden, experts, k, shared = SHAPE
-    mm = [(torch.randn(8192, 8192, device=device, dtype=torch.bfloat16),) * 2 for _ in range(2)]
-    matmul_rate = 2 * 8192**3 / triton.testing.do_bench(lambda: torch.matmul(*mm[0]), return_mode="median") / 1e9
-    del mm
+    matmul_rate = bf16_matmul_rate(device)
     input_sets = [moe_layer_inputs(SHAPE, DTYPE, seed, device) for seed in range(INPUT_SETS)]
     reference_ms = forward_backward_ms(moe_layer, input_sets)
     ideal_ms = forward_backward_ms(idealised_grouped_gemm, [first_expert_only(inputs) for inputs in input_sets])
     flops = layer_flops(tokens, width, hidden, k, shared)
-    rate = lambda ms: flops / ms / 1e9  # noqa: E731 - per ms to per s, in tera
+    rate = lambda ms: flops / ms / 1e9  # per ms to per s, in tera
     lines = [
         f"T={tokens}, D={width}, H=F={hidden}, E={experts}, k={k}, S={shared}, {DTYPE}; forward and backward, "
         f"{flops / 1e12:.2f} TFLOP of expert matmuls; torch bf16 matmul 8192^3: {matmul_rate:.0f} TFLOP/s",

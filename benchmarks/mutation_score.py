@@ -39,8 +39,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from assignment.registry import BY_ID, PROBLEMS  # noqa: E402
-from grader.session.report import machine_description  # noqa: E402
+from assignment.registry import BY_ID, PROBLEMS
+from grader.session.report import machine_description
 
 RESULTS_MD = ROOT / "benchmarks" / "results" / "mutation_score.md"
 BASELINE = "the reference as unparsed, unchanged"

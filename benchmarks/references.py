@@ -62,8 +62,8 @@ def memory_cases() -> list[Case]:
         for dtype in (torch.float32, torch.bfloat16):
             size = rows * cols * dtype.itemsize
             label = f"{rows}x{cols} {str(dtype).removeprefix('torch.')}"
-            x = lambda rows=rows, cols=cols, dtype=dtype: (randn(rows, cols, dtype=dtype),)  # noqa: E731
-            w = lambda rows=rows, cols=cols, dtype=dtype: (randn(rows, cols, dtype=dtype),  # noqa: E731
+            x = lambda rows=rows, cols=cols, dtype=dtype: (randn(rows, cols, dtype=dtype),)
+            w = lambda rows=rows, cols=cols, dtype=dtype: (randn(rows, cols, dtype=dtype),
                                                            randn(cols, dtype=dtype))
             cases += [
                 Case("softmax", label, reference("softmax").softmax, lambda t: torch.softmax(t, -1), x, 2 * size,
@@ -80,14 +80,14 @@ def memory_cases() -> list[Case]:
 def compute_cases() -> list[Case]:
     cases = []
     for n in (4096, 8192):
-        ab = lambda n=n: (randn(n, n), randn(n, n))  # noqa: E731
+        ab = lambda n=n: (randn(n, n), randn(n, n))
         cases.append(Case("matmul bf16", f"{n}^3", reference("matmul").matmul, torch.matmul, ab, 2 * n**3, "compute"))
     flash = reference("flash_attention_triton").flash_attention
     for head_dim in (64, 128):
         for causal in (False, True):
             batch, heads, seq = 4, 16, 4096
             flops = 4 * batch * heads * seq * seq * head_dim / (2 if causal else 1)
-            qkv = lambda d=head_dim: tuple(randn(4, 16, 4096, d) for _ in range(3))  # noqa: E731
+            qkv = lambda d=head_dim: tuple(randn(4, 16, 4096, d) for _ in range(3))
             label = f"b4 h16 n4096 d{head_dim}{' causal' if causal else ''}"
 
             def sdpa(q, k, v, causal=causal):
@@ -96,7 +96,7 @@ def compute_cases() -> list[Case]:
 
             cases.append(Case("attention forward", label, lambda q, k, v, c=causal: flash(q, k, v, c), sdpa, qkv,
                               flops, "compute"))
-            grad_qkv = lambda d=head_dim: tuple(randn(4, 16, 4096, d, requires_grad=True) for _ in range(3))  # noqa
+            grad_qkv = lambda d=head_dim: tuple(randn(4, 16, 4096, d, requires_grad=True) for _ in range(3))
             cases.append(Case("attention backward", label, backward_of(lambda q, k, v, c=causal: flash(q, k, v, c)),
                               backward_of(sdpa), grad_qkv, 2.5 * flops, "compute"))
     return cases
@@ -117,15 +117,23 @@ def backward_of(forward):
     return run
 
 
-def main() -> None:
-    assert torch.cuda.is_available(), "this benchmark needs a GPU"
+def copy_bandwidth() -> float:
+    """TB/s of a device-to-device copy of 1 GiB float32 buffers (bytes read plus bytes written)."""
     copy_in = [(randn(8192, 32768, dtype=torch.float32),) for _ in range(BUFFERS)]
     copy_out = torch.empty_like(copy_in[0][0])
     copy_bytes = 2 * copy_out.numel() * copy_out.element_size()
-    bandwidth = copy_bytes / median_ms(lambda t: copy_out.copy_(t), copy_in) / 1e9  # TB/s
+    return copy_bytes / median_ms(copy_out.copy_, copy_in) / 1e9
+
+
+def matmul_rate() -> float:
+    """TFLOP/s of torch.matmul at 8192^3 in the default dtype of randn here."""
     mm = [(randn(8192, 8192), randn(8192, 8192)) for _ in range(2)]
-    compute = 2 * 8192**3 / median_ms(torch.matmul, mm) / 1e9  # TFLOP/s
-    del copy_in, copy_out, mm
+    return 2 * 8192**3 / median_ms(torch.matmul, mm) / 1e9
+
+
+def main() -> None:
+    assert torch.cuda.is_available(), "this benchmark needs a GPU"
+    bandwidth, compute = copy_bandwidth(), matmul_rate()
     lines = [
         f"ceilings: copy {bandwidth:.2f} TB/s, torch bf16 matmul 8192^3 {compute:.0f} TFLOP/s", "",
         "A copy of a smaller tensor does not reach the peak (launch and the last wave weigh more), so memory-bound "
@@ -137,7 +145,7 @@ def main() -> None:
         inputs = [case.make() for _ in range(BUFFERS if case.bound == "memory" else 2)]
         ours_ms, theirs_ms = median_ms(case.ours, inputs), median_ms(case.theirs, inputs)
         unit, ceiling = ("TB/s", bandwidth) if case.bound == "memory" else ("TFLOP/s", compute)
-        rate = lambda ms: case.work / ms / 1e9  # noqa: E731 - per ms to per s, in tera
+        rate = lambda ms: case.work / ms / 1e9  # per ms to per s, in tera
         of_copy_here = "-"
         if case.bound == "memory":
             source = inputs[0][0]

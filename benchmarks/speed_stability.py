@@ -18,14 +18,14 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-import torch  # noqa: E402
-import triton  # noqa: E402
+import torch
+import triton
 
-from assignment.registry import PROBLEMS  # noqa: E402
-from grader.checks import profiles  # noqa: E402
-from grader.session.packages import load_problem_module, resolve  # noqa: E402
-from grader.sandbox.client import Sandbox  # noqa: E402
-from grader.speed.grading import speed_spec  # noqa: E402
+from assignment.registry import PROBLEMS
+from grader.checks import profiles
+from grader.sandbox.client import Sandbox
+from grader.session.packages import load_problem_module, resolve
+from grader.speed.grading import speed_spec
 
 
 def main() -> None:

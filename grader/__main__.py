@@ -18,7 +18,6 @@ from pathlib import Path
 from assignment.registry import problem_ids
 from grader.cluster.jobs import ClusterOptions, default_executor
 
-
 # The instructor's commands and their modules, absent from the students' copy.
 INSTRUCTOR_COMMANDS = {"gradescope": "grader.release.gradescope", "release": "grader.release.students_copy"}
 

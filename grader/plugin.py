@@ -18,19 +18,19 @@ import torch
 
 from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
-from grader.session import backend, budget, lanes, outer_timeout, reference_lock, seal
 from grader import expectations
 from grader.checks import profiles, stubs
+from grader.checks.outcomes import NotImplementedByStudent
 from grader.cluster.snapshot import snapshot
 from grader.distributed.launcher import RankJob, launcher_for
+from grader.sandbox import isolation
+from grader.sandbox.client import Sandbox
+from grader.session import backend, budget, lanes, outer_timeout, reference_lock, seal
 from grader.session.context import Context, current, secret_seed, set_current, take_secret_seed
-from grader.checks.outcomes import NotImplementedByStudent
-from grader.session.outer_timeout import pytest_timeout_set_timer  # noqa: F401 - pytest-timeout's hook, owned here
+from grader.session.outer_timeout import pytest_timeout_set_timer  # pytest-timeout's hook, owned here
 from grader.session.packages import PackageSpec, load_problem_module, resolve
 from grader.session.progress import Progress
 from grader.session.report import failure_summary, isolation_line, results_json, score_table
-from grader.sandbox import isolation
-from grader.sandbox.client import Sandbox
 from grader.session.scoring import TestResult, by_problem, classify
 
 RESULTS = pytest.StashKey[dict]()
@@ -93,10 +93,11 @@ def pytest_addoption(parser: pytest.Parser) -> None:
     group.addoption("--profile", default=os.environ.get("GRADER_PROFILE", "public"),
                     help="public (default), grading (needs GRADER_SECRET_SEED) or ci (env GRADER_PROFILE)")
     group.addoption("--launcher", default=os.environ.get("GRADER_LAUNCHER", "local"),
-                    help="how distributed problems start their ranks: local (default), submitit, or srun inside a Slurm "
-                         "allocation (env GRADER_LAUNCHER)")
+                    help="how distributed problems start their ranks: local (default), submitit, or srun inside a "
+                         "Slurm allocation (env GRADER_LAUNCHER)")
     group.addoption("--timeout-scale", type=float, default=float(os.environ.get("GRADER_TIMEOUT_SCALE", "1")),
-                    help="multiply every time limit by this factor, e.g. 2 on a slow machine (env GRADER_TIMEOUT_SCALE)")
+                    help="multiply every time limit by this factor, e.g. 2 on a slow machine "
+                         "(env GRADER_TIMEOUT_SCALE)")
     group.addoption("--world-sizes", default=os.environ.get("GRADER_WORLD_SIZES"),
                     help="comma-separated numbers of ranks for every distributed problem's main tests, replacing the "
                          "registry's, e.g. 4,8 on an 8-GPU node (env GRADER_WORLD_SIZES)")
@@ -444,7 +445,8 @@ def reproduce_hint(item: pytest.Item) -> str:
     context = current()
     seed = " with the same GRADER_SECRET_SEED" if context.profile == "grading" else ""
     impl = context.impl.path
-    with_impl = "" if impl == Path(item.config.rootpath) / "student_impl" else f" --impl {shlex.quote(shown_path(impl))}"
+    default = Path(item.config.rootpath) / "student_impl"
+    with_impl = "" if impl == default else f" --impl {shlex.quote(shown_path(impl))}"
     return f"reproduce: pytest {shlex.quote(item.nodeid)}{with_impl} --profile {context.profile}{seed}"
 
 
@@ -527,9 +529,9 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 
 @pytest.hookimpl(wrapper=True)
 def pytest_runtestloop(session: pytest.Session):
-    """Where the tests run. With --jobs N and more than one problem selected, in N lanes (grader.session.lanes), not here.
-    In the students' copy, which grades on the CPU, the speed tests wait for the GPU lane, which runs them after the
-    others with the GPUs visible (grader.expectations.students_copy)."""
+    """Where the tests run. With --jobs N and more than one problem selected, in N lanes (grader.session.lanes), not
+    here. In the students' copy, which grades on the CPU, the speed tests wait for the GPU lane, which runs them after
+    the others with the GPUs visible (grader.expectations.students_copy)."""
     every_item = list(session.items)
     speed_items = [item for item in every_item if group_of(item) == "speed"] if wants_gpu_lane(session) else []
     session.items[:] = [item for item in every_item if item not in speed_items]

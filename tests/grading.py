@@ -14,7 +14,8 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 # An attack on kernels.softmax graded with a problem graded after it: its one test the attack must fail, and one test
 # of moe.router, which must keep its marks (nothing one problem's code does reaches another's verdict).
-ATTACKED_AND_BYSTANDER = ("--problem", "kernels.softmax,moe.router", "-k", "matches_reference_fp32 or indices_and_gates")
+ATTACKED_AND_BYSTANDER = ("--problem", "kernels.softmax,moe.router",
+                          "-k", "matches_reference_fp32 or indices_and_gates")
 
 
 @dataclass

@@ -17,8 +17,8 @@ import pytest
 
 from assignment.registry import PROBLEMS
 from grader.__main__ import problem_selection
-from grader.cluster.grade_all import Submission, selected_problems, summary, write_class_csv
 from grader.cluster import site
+from grader.cluster.grade_all import Submission, selected_problems, summary, write_class_csv
 from grader.cluster.jobs import ClusterOptions, make_executor
 from tests.grading import ROOT, run_grader
 

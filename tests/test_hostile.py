@@ -57,8 +57,9 @@ def assert_router_unharmed(run) -> None:
 def test_forged_results_and_their_daemon_are_powerless(tmp_path, reference_copy):
     marker = uuid.uuid4().hex
     results = tmp_path / "results" / "results.json"
-    run = run_grader(hostile_impl(tmp_path, "forges_results"), *ATTACKED_AND_BYSTANDER, "--reference", str(reference_copy),
-                     results_path=results, env={"HOSTILE_RESULTS_GUESS": str(results), "GRADER_TEST_RUN": marker})
+    run = run_grader(hostile_impl(tmp_path, "forges_results"), *ATTACKED_AND_BYSTANDER,
+                     "--reference", str(reference_copy), results_path=results,
+                     env={"HOSTILE_RESULTS_GUESS": str(results), "GRADER_TEST_RUN": marker})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32")
     assert_router_unharmed(run)
     assert json.loads(results.read_text()) == run.results and run.results["output"] != "forged"
@@ -69,8 +70,8 @@ def test_forged_results_and_their_daemon_are_powerless(tmp_path, reference_copy)
 
 def test_reference_cannot_be_modified(tmp_path, reference_copy):
     before = (reference_copy / "moe" / "router.py").read_text()
-    run = run_grader(hostile_impl(tmp_path, "modifies_reference"), *ATTACKED_AND_BYSTANDER, "--reference", str(reference_copy),
-                     env={"HOSTILE_REFERENCE_GUESS": str(reference_copy)})
+    run = run_grader(hostile_impl(tmp_path, "modifies_reference"), *ATTACKED_AND_BYSTANDER,
+                     "--reference", str(reference_copy), env={"HOSTILE_REFERENCE_GUESS": str(reference_copy)})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "appended to no reference module")
     assert_router_unharmed(run)
     assert (reference_copy / "moe" / "router.py").read_text() == before

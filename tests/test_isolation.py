@@ -8,7 +8,6 @@ router: it must still get full marks.
 
 from __future__ import annotations
 
-import os
 import shutil
 import subprocess
 import sys

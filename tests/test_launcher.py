@@ -9,10 +9,10 @@ import uuid
 import pytest
 import torch
 
-from grader.distributed.launcher import LocalLauncher, RankJob, SubmititLauncher
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut
-from grader.session.packages import resolve
+from grader.distributed.launcher import LocalLauncher, RankJob, SubmititLauncher
 from grader.sandbox import isolation
+from grader.session.packages import resolve
 from tests.grading import ROOT, processes_with
 
 

@@ -28,7 +28,8 @@ def public_signatures(path) -> dict[str, str]:
 
 def grader_test_groups(problem) -> set[str]:
     tree = ast.parse((ROOT / problem.test_module).read_text())
-    return {n.name.removeprefix("test_") for n in tree.body if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    return {n.name.removeprefix("test_") for n in tree.body
+            if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)

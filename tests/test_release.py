@@ -20,7 +20,6 @@ from pathlib import Path
 import pytest
 
 from grader import expectations
-
 from grader.release import students_copy as release
 from tests import mutants
 from tests.grading import ROOT, run_grader
@@ -117,7 +116,8 @@ AUDITED_RUN = textwrap.dedent("""
 def test_grading_in_the_copy_opens_nothing_named_reference(students_copy):
     """Neither the repository's reference/ nor one beside the copy: importing every module of the copy, then
     grading the stubs."""
-    done = subprocess.run([sys.executable, "-c", AUDITED_RUN, str(ROOT), str(students_copy)], cwd=students_copy, capture_output=True, text=True,
+    done = subprocess.run([sys.executable, "-c", AUDITED_RUN, str(ROOT), str(students_copy)], cwd=students_copy,
+                          capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
 

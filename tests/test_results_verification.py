@@ -9,9 +9,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from grader.session import seal
 from grader.cluster.grading_job import GradingRequest
 from grader.cluster.jobs import outcome
+from grader.session import seal
 
 RESULTS = {"score": 25.0, "output": "table", "tests": []}
 

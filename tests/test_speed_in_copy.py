@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from assignment.registry import PROBLEMS
-from grader.speed import ratios as speed_ratios
 from grader.expectations import students_copy
 from grader.session.packages import PackageSpec, load_problem_module
+from grader.speed import ratios as speed_ratios
 from grader.speed.grading import RATIOS_FILE, check_sample, stored_ratio
 from grader.speed.timing import sample
 from tests.grading import ROOT, run_grader
@@ -92,7 +92,7 @@ def test_the_copy_grades_speed_in_a_second_process(students_copy, tmp_path):
     """With --gpu-lane on (as where this machine has GPUs), the speed tests run after the others in the GPU lane and
     count in the same table: here, with no GPU in it either, they skip there as they would have here."""
     impl = shutil.copytree(ROOT / "reference", tmp_path / "solution")
-    tests = ["grader/kernels/test_softmax.py::test_speed", "grader/kernels/test_softmax.py::test_matches_reference_fp32"]
+    tests = [f"grader/kernels/test_softmax.py::test_{group}" for group in ("speed", "matches_reference_fp32")]
     runs = {choice: run_grader(impl, "--gpu-lane", choice, tests=tests, cwd=students_copy) for choice in ("on", "off")}
     assert "now run in a second process that sees the GPUs" in runs["on"].output
     assert "second process" not in runs["off"].output

@@ -9,8 +9,8 @@ import types
 import pytest
 
 from assignment.registry import SpeedThreshold
-from grader.distributed.step_time import check_same_training, grade_step_time, launch_step_time
 from grader.checks.outcomes import WrongAnswer
+from grader.distributed.step_time import check_same_training, grade_step_time, launch_step_time
 
 THRESHOLD = SpeedThreshold(shapes=((1,),))
 

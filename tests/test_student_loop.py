@@ -15,9 +15,8 @@ from pathlib import Path
 
 import pytest
 
-from grader.session import budget
-
 from grader.checks import stubs
+from grader.session import budget
 from tests.grading import ROOT, run_grader
 
 STUB_SOURCE = '''

@@ -9,7 +9,8 @@ from tests.grading import ROOT
 
 
 def collect(*args: str) -> subprocess.CompletedProcess:
-    command = [sys.executable, "-m", "pytest", "grader/parallel/test_ddp.py", "--collect-only", "-q", "-p", "no:cacheprovider",
+    command = [sys.executable, "-m", "pytest", "grader/parallel/test_ddp.py", "--collect-only", "-q",
+               "-p", "no:cacheprovider",
                "-k", "matches_single_process", *args]
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=120)
 

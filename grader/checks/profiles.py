@@ -12,7 +12,8 @@ from assignment.registry import PROFILES, Problem
 _COMMON = dict(
     report_multiple_bugs=False,
     # No "explain" phase: it re-runs failing examples many times to annotate lines, too slow behind a worker.
-    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),  # one failure, shrunk, is what a student can act on
+    # One failure, shrunk, is what a student can act on.
+    phases=(Phase.explicit, Phase.reuse, Phase.generate, Phase.target, Phase.shrink),
     deadline=None,  # interpreter and worker round trips make timings meaningless; the sandbox enforces time limits
     suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large, HealthCheck.filter_too_much],
     print_blob=False,

@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from grader.checks import profiles
 from grader.checks.compare import SHOWN_WHOLE, inputs_if_small
-from grader.session.context import secret_seed
 from grader.checks.profiles import SIZE_SCALE
+from grader.session.context import secret_seed
 
 LAYOUTS = ("contiguous", "transposed", "sliced", "offset")
 # Every layout the kernels' contracts name ("any strides"): also the first dim broadcast (stride 0, as

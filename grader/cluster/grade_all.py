@@ -39,7 +39,8 @@ class Submission:
         return self.out / "not_graded.txt"
 
     def up_to_date(self) -> bool:
-        return self.results.exists() and self.hash_file.exists() and self.hash_file.read_text() == tree_hash(self.source)
+        return (self.results.exists() and self.hash_file.exists()
+                and self.hash_file.read_text() == tree_hash(self.source))
 
 
 def submissions_in(directory: Path, out: Path) -> list[Submission]:

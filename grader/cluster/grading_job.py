@@ -1,8 +1,8 @@
 """What runs inside a grading job: `pytest grader` on a snapshot, its results file written where the caller reads it.
 
 The job's function returns pytest's exit status; verdicts travel in the results file, which the caller accepts only
-when that status is 0 or 1 and the file carries this run's signature (see grader.session.seal). The signing key is a file
-beside the snapshot, outside every sandbox; only its path is handed to the grader, which removes it from its
+when that status is 0 or 1 and the file carries this run's signature (see grader.session.seal). The signing key is a
+file beside the snapshot, outside every sandbox; only its path is handed to the grader, which removes it from its
 environment before any student process starts.
 """
 
@@ -15,8 +15,8 @@ import sys
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
-from grader.session import seal
 from grader.cluster import site
+from grader.session import seal
 from grader.session.context import SECRET_SEED_FILE_VARIABLE
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -54,7 +54,7 @@ class GradingRequest:
             "--results-json", self.results_json, "--results-nonce", self.nonce, "--launcher", launcher,
             "--timeout-scale", str(self.timeout_scale), "--isolation", self.isolation,
             *(() if self.allow_unisolated else ("--refuse-unisolated",)), *self.pytest_args,
-        ]  # fmt: skip
+        ]
 
 
 def run_grading(request: GradingRequest) -> int:

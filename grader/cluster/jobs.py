@@ -17,8 +17,8 @@ from pathlib import Path
 import submitit
 
 from assignment.registry import PROBLEMS
-from grader.session import seal
 from grader.cluster.grading_job import GradingRequest
+from grader.session import seal
 
 # Slurm's final states that say nothing about the student's code; submitit's local executor says INTERRUPTED.
 NOT_GRADED_REASONS = {

@@ -1,4 +1,5 @@
-"""`python -m grader submit`: grade one submission as a cluster job and print the same score table as `pytest grader`."""
+"""`python -m grader submit`: grade one submission as a cluster job and print the same score table as
+`pytest grader`."""
 
 from __future__ import annotations
 

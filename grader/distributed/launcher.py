@@ -33,10 +33,10 @@ import torch
 
 from grader.checks.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
 from grader.distributed.host import group_sandbox, rank_data_fds
-from grader.session.packages import PackageSpec
 from grader.sandbox.client import exit_description, kill_group
 from grader.sandbox.isolation import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode
+from grader.session.packages import PackageSpec
 
 POLL_S = 0.05
 # Once one rank has failed, how long the others get to finish before they are killed (they are usually blocked in a
@@ -395,7 +395,7 @@ class SubmititLauncher:
         executor.update_parameters(
             nodes=1, tasks_per_node=1, cpus_per_task=job.world_size,
             timeout_min=max(1, math.ceil(job.timeout_s / 60)), **self.parameters,
-        )  # fmt: skip
+        )
         try:
             with _without_secrets():
                 submitted = executor.submit(run_host, str(run))
@@ -418,7 +418,7 @@ class SrunLauncher:
         command = [
             "srun", "--ntasks=1", f"--cpus-per-task={job.world_size}", "--nodes=1", "--overlap",
             f"--job-name=ranks-{job.problem}", "--output", str(run / "host.log"), *host_command(run),
-        ]  # fmt: skip
+        ]
         step = subprocess.Popen(command, stdin=subprocess.DEVNULL, env=launcher_environment(), start_new_session=True)
         try:
             timed_out = wait_for_ranks(lambda: step.poll() is not None, run, job)

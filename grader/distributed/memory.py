@@ -26,7 +26,6 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_flatten
 
-
 CUDA_BLOCK_BYTES = 512  # the caching allocator hands out blocks of this many bytes at least
 
 

@@ -20,12 +20,11 @@ import torch
 import torch.distributed as dist
 
 from grader.distributed import recorder
-from grader.session.packages import PackageSpec, load_problem_module
 from grader.sandbox import guards
 from grader.sandbox.isolation import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode, to_plain
 from grader.sandbox.worker import describe_exception, guard_reference
-
+from grader.session.packages import PackageSpec, load_problem_module
 
 # What the recorder and the guards import in every rank before student code (about 0.5 s of CPU a rank): the group
 # imports them once, before it forks the ranks.

@@ -26,7 +26,7 @@ OPERATIONS = (
     # Newer torch's names for all_gather_into_tensor and reduce_scatter_tensor, which it implements by calling them:
     # a call through the old name is then recorded twice, the inner record marked nested.
     "all_gather_single", "reduce_scatter_single",
-)  # fmt: skip
+)
 
 # Beneath those functions: the process group's (and its backends') own methods, and the functional collectives.
 # torch's functions call the methods themselves, from inside a recorded call, so only a call made outside every
@@ -38,14 +38,14 @@ PROCESS_GROUP_METHODS = (
     "reduce_scatter", "_reduce_scatter_base", "reduce_scatter_single", "reduce_scatter_single_coalesced",
     "reduce_scatter_tensor_coalesced", "alltoall", "alltoall_base", "all_to_all_single", "barrier",
     "send", "recv", "recv_anysource",
-)  # fmt: skip
+)
 PROCESS_GROUP_POINT_TO_POINT = {"send": "send", "recv": "recv", "recv_anysource": "recv"}
 FUNCTIONAL_COLLECTIVES = (
     "all_reduce", "all_reduce_inplace", "all_reduce_coalesced", "all_gather_tensor", "all_gather_tensor_autograd",
     "all_gather_tensor_inplace", "all_gather_inplace", "all_gather_into_tensor_coalesced", "reduce_scatter_tensor",
     "reduce_scatter_tensor_autograd", "reduce_scatter_tensor_inplace", "reduce_scatter_tensor_coalesced",
     "all_to_all_single", "all_to_all_single_autograd", "all_to_all_inplace", "broadcast", "permute_tensor",
-)  # fmt: skip
+)
 # The dispatcher's own communication ops, beneath all of the above: torch.ops.c10d.allreduce_(...) reaches the process
 # group through no Python function of torch.distributed. Recorded as the methods are, under their qualified names
 # (point-to-point ones as send and recv); waiting on a tensor and checking for NaN are not communication.

@@ -28,8 +28,13 @@ The files are `torch.save` archives of plain containers, tensors, numbers and st
 from grader.expectations.digests import canonical_draws, digest, versions
 from grader.expectations.misses import DrawsDiffer, misses_in_test
 from grader.expectations.store import SUFFIX, Store, check_draws, read, record, replay
-from grader.expectations.students_copy import (gpu_lane_environment, hidden_gpus_present, hide_gpus_in_students_copy,
-                                               in_gpu_lane, students_copy_folder)
+from grader.expectations.students_copy import (
+                                               gpu_lane_environment,
+                                               hidden_gpus_present,
+                                               hide_gpus_in_students_copy,
+                                               in_gpu_lane,
+                                               students_copy_folder,
+)
 from grader.expectations.values import plain_tensors
 
 __all__ = ["DrawsDiffer", "SUFFIX", "Store", "canonical_draws", "check_draws", "digest", "gpu_lane_environment",

@@ -8,8 +8,17 @@ import torch
 
 from grader.expectations.digests import digest
 from grader.expectations.misses import miss
-from grader.expectations.values import (apply_side_effects, differentiable_inputs, flatten, leaves, side_effects,
-                                        state_of, stored, substitute, unflatten)
+from grader.expectations.values import (
+    apply_side_effects,
+    differentiable_inputs,
+    flatten,
+    leaves,
+    side_effects,
+    state_of,
+    stored,
+    substitute,
+    unflatten,
+)
 
 
 class _RecordedCall(torch.autograd.Function):

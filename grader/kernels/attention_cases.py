@@ -20,10 +20,10 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_raises, check_tensor_form
-from grader.session.context import current
 from grader.checks.outcomes import RuleViolation, WrongAnswer
-from grader.sandbox.client import check_triton_traffic
 from grader.checks.strategies import dims, size_scale
+from grader.sandbox.client import check_triton_traffic
+from grader.session.context import current
 
 TORCH_TILE_SIZE = 16  # the PyTorch problem's pinned TILE_SIZE (rows of a query tile and of a key tile)
 # The Triton problem's tiles are its own, but no block of two or more dimensions in its kernels may exceed this along
@@ -255,8 +255,8 @@ def _probe_beside(student, case: AttentionCase, q, k, v, grad_o, uses_triton: bo
     the grader's work done while the worker runs the probe."""
     with student.describing(case.describe()):
         report, grader_value = student.run_program_beside(
-            grader_work, f"{__name__}:probe", q, k, v, case.is_causal, grad_o, BY_ID["kernels.flash_attention_torch"].forbidden_ops,
-            uses_triton)
+            grader_work, f"{__name__}:probe", q, k, v, case.is_causal, grad_o,
+            BY_ID["kernels.flash_attention_torch"].forbidden_ops, uses_triton)
     check_rules(report, uses_triton, grad_o is not None, case.describe())
     return report, grader_value
 

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.kernels import attention_cases
+from grader.checks.profiles import examples
+from grader.checks.strategies import size_scale
 from grader.kernels.attention_cases import (
-    PADDED_HEAD_DIM,
     INVALID,
-    attention_cases as cases,
+    PADDED_HEAD_DIM,
     call_and_expect,
     check_gradients,
     check_lse,
@@ -27,8 +28,9 @@ from grader.kernels.attention_cases import (
     run_probe,
     sequence_lengths,
 )
-from grader.checks.profiles import examples
-from grader.checks.strategies import size_scale
+from grader.kernels.attention_cases import (
+    attention_cases as cases,
+)
 
 PROBLEM = BY_ID["kernels.flash_attention_torch"]
 # Plain PyTorch runs bfloat16 correctly on the CPU too.

@@ -10,16 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.kernels import attention_cases
+from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.profiles import examples
+from grader.checks.strategies import size_scale
 from grader.kernels.attention_cases import (
-    PADDED_HEAD_DIM,
     INVALID,
-    attention_cases as cases,
-    call_and_expect,
+    PADDED_HEAD_DIM,
     TRITON_MAX_BLOCK,
+    call_and_expect,
     check_blocks_bounded,
     check_gradients,
     check_lse,
@@ -29,11 +31,11 @@ from grader.kernels.attention_cases import (
     probe_and_expect,
     run_probe,
 )
-from grader.checks.marks import bf16_gpu_only, gpu_only
-from grader.checks.profiles import examples
+from grader.kernels.attention_cases import (
+    attention_cases as cases,
+)
 from grader.kernels.speed_cases import SPEEDS
 from grader.speed.grading import grade_speed
-from grader.checks.strategies import size_scale
 
 PROBLEM = BY_ID["kernels.flash_attention_triton"]
 # Triton's interpreter computes bfloat16 arithmetic wrongly: bfloat16 joins the mixed-dtype tests on a GPU only.

@@ -11,17 +11,18 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_contiguous, assert_raises
-from grader.session.context import current
 from grader.checks.marks import bf16_gpu_only, gpu_only
 from grader.checks.outcomes import RuleViolation
 from grader.checks.profiles import examples
-from grader.kernels.speed_cases import SPEEDS
-from grader.speed.grading import grade_speed
 from grader.checks.strategies import LAYOUTS, REGIMES, TensorCase, dims, size_scale
+from grader.kernels.speed_cases import SPEEDS
+from grader.session.context import current
+from grader.speed.grading import grade_speed
 
 PROBLEM = BY_ID["kernels.matmul"]
 

@@ -11,17 +11,18 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_contiguous, assert_raises, check_tensor_form
-from grader.session.context import current
 from grader.checks.marks import bf16_gpu_only, gpu_only
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
-from grader.kernels.speed_cases import SPEEDS
-from grader.speed.grading import grade_speed
 from grader.checks.strategies import ALL_LAYOUTS, REGIMES, TensorCase, dims, long_lengths, size_scale
+from grader.kernels.speed_cases import SPEEDS
+from grader.session.context import current
+from grader.speed.grading import grade_speed
 
 PROBLEM = BY_ID["kernels.rmsnorm"]
 
@@ -118,7 +119,8 @@ def check_forward(student, reference, case: NormCase) -> None:
         # D = 1 and rows of one sign: y = w x / sqrt(x^2 + eps) rounds to the same value in every row, so a constant
         # output is right although the float64 one varies in its last digits. assert_close rejects constant
         # outputs; a zero appended to all three tensors keeps this one from looking constant.
-        actual, expected64, at_dtype = (torch.cat([t.flatten(), t.new_zeros(1)]) for t in (actual, expected64, at_dtype))
+        actual, expected64, at_dtype = (torch.cat([t.flatten(), t.new_zeros(1)])
+                                        for t in (actual, expected64, at_dtype))
     assert_close(
         actual,
         expected64,

@@ -4,16 +4,17 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_contiguous, assert_raises
-from grader.session.context import current
 from grader.checks.marks import bf16_gpu_only, gpu_only
 from grader.checks.profiles import examples
-from grader.kernels.speed_cases import SPEEDS
-from grader.speed.grading import grade_speed
 from grader.checks.strategies import TensorCase, dims, leading_shapes, long_lengths, size_scale, tensor_cases
+from grader.kernels.speed_cases import SPEEDS
+from grader.session.context import current
+from grader.speed.grading import grade_speed
 
 PROBLEM = BY_ID["kernels.softmax"]
 
@@ -101,7 +102,8 @@ INVALID = [
 @pytest.mark.parametrize("make_input, expected_error", INVALID)
 def test_invalid_arguments(student, make_input, expected_error):
     x = make_input(current().device)
-    assert_raises(student.raises("softmax", x), expected_error, f"softmax(x) for x of shape {tuple(x.shape)} and {x.dtype}")
+    assert_raises(student.raises("softmax", x), expected_error,
+                  f"softmax(x) for x of shape {tuple(x.shape)} and {x.dtype}")
 
 
 @gpu_only

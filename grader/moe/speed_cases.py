@@ -70,10 +70,10 @@ ROUTING_MARGIN = 1e-3
 
 @torch.no_grad()
 def sampled_moe_layer(args: tuple, seed: int) -> torch.Tensor:
-    """The layer's output (normalize_topk=True, as forward_backward calls it) at the positions grader.speed.timing.sample
-    draws with `seed`, in float64: the students' copy checks a timed output against it, having no reference. Only
-    the sampled tokens are computed, in float32, one expert at a time; NaN (not judged) for a token whose routing is
-    within ROUTING_MARGIN of a tie."""
+    """The layer's output (normalize_topk=True, as forward_backward calls it) at the positions
+    grader.speed.timing.sample draws with `seed`, in float64: the students' copy checks a timed output against it,
+    having no reference. Only the sampled tokens are computed, in float32, one expert at a time; NaN (not judged) for a
+    token whose routing is within ROUTING_MARGIN of a tie."""
     x_TD, router_weight_ED, gate_proj_EHD, up_proj_EHD, down_proj_EDH, *shared_SXX, k, _ = args
     tokens, width = x_TD.shape
     positions = sample_positions(tokens * width, seed).to(x_TD.device)

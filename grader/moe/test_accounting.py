@@ -8,7 +8,8 @@ against its published counts. The drawn configurations are compared with the ref
 from __future__ import annotations
 
 import pytest
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_raises

@@ -12,14 +12,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_equal, assert_raises
-from grader.session.context import current
-from grader.moe.routing_checks import dtype_name, laid_out, returned_fields
 from grader.checks.profiles import examples
 from grader.checks.strategies import LAYOUTS, dims, size_scale
+from grader.moe.routing_checks import dtype_name, laid_out, returned_fields
+from grader.session.context import current
 
 PROBLEM = BY_ID["moe.bias_balancing"]
 FIELDS = ("tokens_per_expert_E", "expert_bias_E")

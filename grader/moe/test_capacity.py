@@ -11,14 +11,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_equal, assert_raises
-from grader.session.context import current
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import dims, size_scale
+from grader.session.context import current
 
 PROBLEM = BY_ID["moe.capacity"]
 FIELDS = ("capacity", "kept_TK", "position_TK", "gate_TK", "tokens_per_expert_E")

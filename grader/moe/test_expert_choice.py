@@ -17,15 +17,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_equal, assert_raises, inputs_if_small
-from grader.session.context import current
-from grader.moe.routing_checks import compare_floating, compare_gradients, router_term_scales
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import dims, size_scale
+from grader.moe.routing_checks import compare_floating, compare_gradients, router_term_scales
+from grader.session.context import current
 
 PROBLEM = BY_ID["moe.expert_choice"]
 FIELDS = ("token_index_EC", "gate_EC", "experts_per_token_T")

@@ -15,20 +15,20 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
+from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_raises, inputs_if_small
-from grader.session.context import current
 from grader.checks.marks import gpu_only
-from grader.moe.routing_checks import (compare_floating, dtype_name, laid_out, router_term_scales,
-                                       separated_rows)
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
-from grader.moe.speed_cases import SPEEDS
-from grader.speed.grading import grade_speed
 from grader.checks.strategies import LAYOUTS, dims, size_scale
+from grader.moe.routing_checks import compare_floating, dtype_name, laid_out, router_term_scales, separated_rows
+from grader.moe.speed_cases import SPEEDS
+from grader.session.context import current
+from grader.speed.grading import grade_speed
 
 PROBLEM = BY_ID["moe.moe_layer"]
 INPUTS = ("x_TD", "router_weight_ED", "gate_proj_EHD", "up_proj_EHD", "down_proj_EDH", "shared_gate_proj_SFD",

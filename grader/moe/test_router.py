@@ -13,16 +13,16 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, given, strategies as st
+from hypothesis import assume, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_equal, assert_raises, inputs_if_small
-from grader.session.context import current
-from grader.moe.routing_checks import (compare_floating, compare_gradients, laid_out, router_term_scales,
-                                       separated_rows)
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import LAYOUTS, dims, size_scale
+from grader.moe.routing_checks import compare_floating, compare_gradients, laid_out, router_term_scales, separated_rows
+from grader.session.context import current
 
 PROBLEM = BY_ID["moe.router"]
 FIELDS = ("expert_index_TK", "gate_TK", "tokens_per_expert_E", "balance_loss", "z_loss")

@@ -13,14 +13,15 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_raises, check_tensor_form
-from grader.session.context import current
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import dims, size_scale
+from grader.session.context import current
 
 PROBLEM = BY_ID["moe.sequence_balance_loss"]
 ALPHAS = (1e-4, 0.01, 1.0)

@@ -12,17 +12,24 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, example, given, strategies as st
+from hypothesis import assume, example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_equal, assert_raises, inputs_if_small
-from grader.session.context import current
-from grader.moe.routing_checks import (
-    clearly_ordered, compare_floating, compare_gradients, dtype_name, laid_out, reference_gradients,
-    returned_fields, router_term_scales,
-)
 from grader.checks.profiles import examples
 from grader.checks.strategies import LAYOUTS, dims, size_scale
+from grader.moe.routing_checks import (
+    clearly_ordered,
+    compare_floating,
+    compare_gradients,
+    dtype_name,
+    laid_out,
+    reference_gradients,
+    returned_fields,
+    router_term_scales,
+)
+from grader.session.context import current
 
 PROBLEM = BY_ID["moe.sigmoid_router"]
 FIELDS = ("expert_index_TK", "gate_TK", "tokens_per_expert_E")

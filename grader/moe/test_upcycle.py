@@ -17,15 +17,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 import torch.nn.functional as F
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_equal, assert_raises, check_tensor_form
-from grader.session.context import current
-from grader.moe.routing_checks import dtype_name, returned_fields
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import dims, size_scale
+from grader.moe.routing_checks import dtype_name, returned_fields
+from grader.session.context import current
 
 PROBLEM = BY_ID["moe.upcycle"]
 FIELDS = ("router_weight_ED", "gate_proj_EHD", "up_proj_EHD", "down_proj_EDH", "normalize_topk")

@@ -12,14 +12,15 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close
-from grader.distributed.memory import MemoryProbe
 from grader.checks.outcomes import WrongAnswer
-from grader.checks.strategies import data_seeds
 from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
+from grader.distributed.memory import MemoryProbe
 
 PROBLEM = BY_ID["parallel.activation_checkpointing"]
 # The checkpointed forward may keep, beyond its outputs, at most this fraction of what the plain block keeps.

@@ -17,16 +17,17 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_equal
-from grader.distributed import recorder
-from grader.distributed.rank_data import without_seeds
-from grader.distributed.rank import rank_device
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds, dims
+from grader.distributed import recorder
+from grader.distributed.rank import rank_device
+from grader.distributed.rank_data import without_seeds
 
 PROBLEM = BY_ID["parallel.collectives"]
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")

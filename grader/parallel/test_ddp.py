@@ -10,17 +10,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
-from grader.distributed import recorder
-from grader.distributed.rank_data import plain_state, row_shards
-from grader.distributed.rank import rank_device
-from grader.parallel.models import check_module_kept, shard_mean_loss
 from grader.checks.outcomes import WrongAnswer
-from grader.checks.strategies import data_seeds
 from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
+from grader.distributed import recorder
+from grader.distributed.rank import rank_device
+from grader.distributed.rank_data import plain_state, row_shards
+from grader.parallel.models import check_module_kept, shard_mean_loss
 
 PROBLEM = BY_ID["parallel.ddp"]
 STEPS = 3

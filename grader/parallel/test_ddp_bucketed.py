@@ -11,21 +11,28 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
-from grader.distributed import recorder
-from grader.distributed.rank_data import plain_state, row_shards
-from grader.distributed.rank import rank_device
-from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
-from grader.distributed.subgroups import (group_case, inputs_by_group, join_group, rank_name, results_by_group,
-                                          with_setup)
 from grader.checks.marks import multi_gpu
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
-from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss
-from grader.checks.strategies import data_seeds
 from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
+from grader.distributed import recorder
+from grader.distributed.rank import rank_device
+from grader.distributed.rank_data import plain_state, row_shards
+from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
+from grader.distributed.subgroups import (
+    group_case,
+    inputs_by_group,
+    join_group,
+    rank_name,
+    results_by_group,
+    with_setup,
+)
+from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss
 
 PROBLEM = BY_ID["parallel.ddp_bucketed"]
 STEPS = 3

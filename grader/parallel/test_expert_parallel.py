@@ -13,17 +13,18 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close
-from grader.distributed import recorder
-from grader.distributed.rank import rank_device
-from grader.distributed.raised import check_value_errors, raised_by
-from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
-from grader.checks.strategies import data_seeds
 from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
+from grader.distributed import recorder
+from grader.distributed.raised import check_value_errors, raised_by
+from grader.distributed.rank import rank_device
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
 
 PROBLEM = BY_ID["parallel.expert_parallel"]
 # The token rows a rank may receive in one pass, as a multiple of the minimum, plus room for the counts.

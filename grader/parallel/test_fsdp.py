@@ -14,21 +14,22 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
-from grader.distributed import recorder
-from grader.distributed.memory import MemoryProbe, probe_point
-from grader.distributed.rank_data import plain_state, row_shards, without_seeds
-from grader.distributed.rank import rank_device
-from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
-from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.checks.marks import multi_gpu
 from grader.checks.outcomes import WrongAnswer
-from grader.parallel.models import shard_mean_loss
-from grader.checks.strategies import data_seeds
 from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
+from grader.distributed import recorder
+from grader.distributed.memory import MemoryProbe, probe_point
+from grader.distributed.rank import rank_device
+from grader.distributed.rank_data import plain_state, row_shards, without_seeds
+from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
+from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
+from grader.parallel.models import shard_mean_loss
 
 PROBLEM = BY_ID["parallel.fsdp"]
 STEPS = 3
@@ -309,7 +310,7 @@ configs = st.fixed_dictionaries({
     "widths": widths,
     "rows_per_rank": st.integers(1, 4),
     "optimizer": st.sampled_from(["sgd", "adamw"]),
-})  # fmt: skip
+})
 
 
 @pytest.mark.parametrize("world_size", PROBLEM.world_sizes)

@@ -16,17 +16,18 @@ import functools
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_raises
-from grader.distributed.rank_data import without_seeds
+from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
+from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
 from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
+from grader.distributed.rank_data import without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
-from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
-from grader.checks.strategies import data_seeds
-from grader.checks.profiles import examples
 
 PROBLEM = BY_ID["parallel.pipeline"]
 STEPS = 2

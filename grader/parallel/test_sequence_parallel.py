@@ -21,18 +21,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_equal
+from grader.checks.outcomes import WrongAnswer
+from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
 from grader.distributed import recorder
-from grader.distributed.rank_data import integer_tensor, without_seeds
 from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
+from grader.distributed.rank_data import integer_tensor, without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
-from grader.checks.outcomes import WrongAnswer
-from grader.checks.strategies import data_seeds
-from grader.checks.profiles import examples
 
 PROBLEM = BY_ID["parallel.sequence_parallel"]
 LEARNING_RATE = 0.1
@@ -332,7 +333,7 @@ def check_block(reference, case: dict, results: list[dict], group_index: int | N
                 assert_close(actual, expected64, reference32, what=what, context=context,
                              multiple=PROBLEM.error_multiple, floor_ulps=floor_ulps(expected64, e))
 
-            tokens = lambda t: sequence_shard(t, rank, world_size)  # noqa: E731
+            tokens = lambda t: sequence_shard(t, rank, world_size)
             close(got["output"], tokens(e["output"]), tokens(r["output"]), "output (this rank's tokens)")
             close(got["input_grad"], tokens(e["input_grad"]), tokens(r["input_grad"]), "input gradient")
             for name in expected_names:

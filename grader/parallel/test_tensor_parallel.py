@@ -22,18 +22,19 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_equal
+from grader.checks.outcomes import WrongAnswer
+from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
 from grader.distributed import recorder
-from grader.distributed.rank_data import integer_tensor, without_seeds
 from grader.distributed.raised import check_value_errors, raised_by
 from grader.distributed.rank import rank_device
+from grader.distributed.rank_data import integer_tensor, without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
-from grader.checks.outcomes import WrongAnswer
-from grader.checks.strategies import data_seeds
-from grader.checks.profiles import examples
 
 PROBLEM = BY_ID["parallel.tensor_parallel"]
 LEARNING_RATE = 0.1
@@ -416,7 +417,7 @@ def check_regions(case: dict, results: list[dict], group_index: int) -> None:
     """f is the identity forward and sums the group's upstream gradients backward; g sums the group's inputs forward
     and passes the gradient through backward."""
     inputs = region_inputs(case, GROUP_SIZE)
-    group_sum = lambda name: sum(own[name] for own in inputs)  # noqa: E731
+    group_sum = lambda name: sum(own[name] for own in inputs)
     f, g = "copy_to_tensor_parallel_region(x, group)", "reduce_from_tensor_parallel_region(x, group)"
     for rank, result in enumerate(results):
         context = (f"{rank_name(rank, GROUP_SIZE, group_index)}, x [{case['batch']}, {case['tokens']}, "

@@ -12,20 +12,21 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import example, given, strategies as st
+from hypothesis import example, given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
+from grader.checks.outcomes import WrongAnswer
+from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
 from grader.distributed import recorder
-from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.memory import MemoryProbe, allocated_bytes
 from grader.distributed.rank import rank_device
-from grader.distributed.travel import check_parameters_travel
+from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group
-from grader.checks.outcomes import WrongAnswer
+from grader.distributed.travel import check_parameters_travel
 from grader.parallel.models import TiedMLP, shard_mean_loss, tied_mlp_from_state
-from grader.checks.strategies import data_seeds
-from grader.checks.profiles import examples
 
 PROBLEM = BY_ID["parallel.zero1"]
 STEPS = 3

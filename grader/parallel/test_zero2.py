@@ -13,20 +13,21 @@ import gc
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import given
+from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
+from grader.checks.outcomes import WrongAnswer
+from grader.checks.profiles import examples
+from grader.checks.strategies import data_seeds
 from grader.distributed import recorder
-from grader.distributed.travel import check_parameters_travel
-from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.memory import MemoryProbe, allocated_bytes
 from grader.distributed.rank import rank_device
+from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
-from grader.checks.outcomes import WrongAnswer
+from grader.distributed.travel import check_parameters_travel
 from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss, tied_mlp_from_state
-from grader.checks.strategies import data_seeds
-from grader.checks.profiles import examples
 
 PROBLEM = BY_ID["parallel.zero2"]
 STEPS = 3

@@ -25,10 +25,10 @@ import zipfile
 from pathlib import Path
 
 from assignment.registry import PROBLEMS, problem_ids
-from grader.session import seal
 from grader.cluster.grading_job import GradingRequest, run_grading
 from grader.cluster.jobs import GRADED_EXIT_STATUSES
 from grader.cluster.snapshot import IGNORED, copied
+from grader.session import seal
 from grader.session.context import SECRET_SEED_FILE_VARIABLE
 
 REPOSITORY = Path(__file__).resolve().parents[2]

@@ -6,10 +6,10 @@ recorded here by grading the reference on the CPU (grader.expectations). Its `py
 verdicts, messages and points as the live grader on the public profile. Points for speed and for tests that need a
 GPU or several are given on submission, where the course's cluster grades with the hidden reference.
 
-Speed is graded in the copy too, against the baseline each speed test times, with the ratio reference / baseline
-stored per GPU model in grader/speed/ratios.json (grader.speed.grading); `--measure-speed`, on a GPU, first measures this GPU
-model's ratios into that file. A problem whose reference or speed test changed since its ratios were measured is
-left out of the copy's ratios (with a warning): its speed line is then advisory there.
+Speed is graded in the copy too, against the baseline each speed test times, with the ratio reference / baseline stored
+per GPU model in grader/speed/ratios.json (grader.speed.grading); `--measure-speed`, on a GPU, first measures this GPU
+model's ratios into that file. A problem whose reference or speed test changed since its ratios were measured is left
+out of the copy's ratios (with a warning): its speed line is then advisory there.
 
 Refused (with the reason) when OUT exists and is not empty (unless --force), when handout.pdf is stale, when
 `reference/` or `assignment/` has uncommitted changes (the copy must match what is committed), or when
@@ -32,9 +32,9 @@ import torch
 from assignment.handout.build import stale_reason
 from assignment.registry import PROBLEMS, problem_ids
 from grader import expectations
-from grader.speed import ratios as speed_ratios
 from grader.cluster.snapshot import IGNORED
 from grader.session.packages import PackageSpec
+from grader.speed import ratios as speed_ratios
 from grader.speed.grading import RATIOS_FILE, stored_ratios
 
 REPOSITORY = Path(__file__).resolve().parents[2]
@@ -124,8 +124,8 @@ def copy_speed_ratios(root: Path, out: Path) -> None:
     ratios = json.loads((root / RATIOS_FILE.relative_to(REPOSITORY)).read_text())
     kept, stale = speed_ratios.without_stale(ratios, PackageSpec("reference", root / "reference"))
     (out / RATIOS_FILE.relative_to(REPOSITORY)).write_text(json.dumps(kept, indent=1, sort_keys=True) + "\n")
-    for gpu, problem_ids in stale.items():
-        print(f"warning: the {gpu}'s speed ratios of {', '.join(problem_ids)} were measured with another reference "
+    for gpu, stale_ids in stale.items():
+        print(f"warning: the {gpu}'s speed ratios of {', '.join(stale_ids)} were measured with another reference "
               "or speed test: left out of the copy, whose speed lines for them are advisory on that GPU "
               "(python -m grader release OUT --measure-speed on that GPU measures them again)", file=sys.stderr)
 
@@ -160,7 +160,8 @@ def build(out: Path, problems: list[str] | None = None, profiles: tuple[str, ...
     if found:
         raise ValueError("refusing to build the students' copy:\n- " + "\n- ".join(found))
     if measure_speed:
-        gpu = speed_ratios.measure_into(root / RATIOS_FILE.relative_to(REPOSITORY), PackageSpec("reference", root / "reference"),
+        gpu = speed_ratios.measure_into(root / RATIOS_FILE.relative_to(REPOSITORY),
+                                        PackageSpec("reference", root / "reference"),
                                         [problem.id for problem in PROBLEMS if problem.speed])
         print(f"measured the {gpu}'s speed ratios into grader/{RATIOS_FILE.name}: commit them", flush=True)
     if out.exists():

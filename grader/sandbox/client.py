@@ -18,18 +18,18 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
-from grader.session.budget import TestBudget
 from grader.checks.outcomes import (
     NotImplementedByStudent,
     RuleViolation,
-    StudentCrashed,
     StudentAbort,
+    StudentCrashed,
     StudentError,
     StudentTimedOut,
 )
-from grader.session.packages import PackageSpec
 from grader.sandbox.isolation import Isolation, Mounts
 from grader.sandbox.wire import decode, encode
+from grader.session.budget import TestBudget
+from grader.session.packages import PackageSpec
 
 START_TIMEOUT_S = 180.0
 
@@ -100,8 +100,8 @@ class Sandbox:
         stubs: frozenset[str] = frozenset(),
     ):
         self.problem_id = problem_id
-        # Functions still the stub (grader.checks.stubs), and any that raised NotImplementedError since: calling one again
-        # cannot give anything else, so it is answered here, without a round trip.
+        # Functions still the stub (grader.checks.stubs), and any that raised NotImplementedError since: calling one
+        # again cannot give anything else, so it is answered here, without a round trip.
         self.not_implemented = set(stubs)
         self.isolation = isolation
         self.mounts = Mounts(impl_dir=impl.path)
@@ -158,7 +158,8 @@ class Sandbox:
         self.log.unlink(missing_ok=True)
 
     def begin_test(self, budget: TestBudget) -> None:
-        """Every test has a budget of student time (see grader.session.budget); calls after it is spent time out at once."""
+        """Every test has a budget of student time (see grader.session.budget); calls after it is spent time out at
+        once."""
         self.budget = budget
 
     def __repr__(self) -> str:

@@ -175,8 +175,8 @@ class ForbiddenModuleUsed(RuntimeError):
 def forbid_torch_data_parallel() -> None:
     """Make torch's own DDP and FSDP wrappers raise when constructed, and torch's activation checkpointing when
     called."""
-    import torch.distributed.fsdp as fsdp
     import torch.distributed.device_mesh as device_mesh
+    import torch.distributed.fsdp as fsdp
     import torch.distributed.nn.functional as distributed_nn_functional
     import torch.distributed.optim as distributed_optim
     import torch.nn.parallel as parallel

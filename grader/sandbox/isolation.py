@@ -170,7 +170,7 @@ class Isolation:
             "--proc", "/proc", "--dev", "/dev",
             "--size", str(SHM_BYTES), "--tmpfs", "/dev/shm",
             "--size", str(TMP_BYTES), "--tmpfs", "/tmp",
-        ]  # fmt: skip
+        ]
         if self.gpu:
             args += _gpu_binds()
         for package in CODE_PACKAGES:

@@ -24,12 +24,12 @@ from pathlib import Path
 
 import torch
 
-from grader.session.packages import PackageSpec, load_problem_module
-from grader.speed import timing
 from grader.sandbox import guards
 from grader.sandbox.allowed_ops import ALLOWED_OPS
 from grader.sandbox.triton_traffic import TRAFFIC
 from grader.sandbox.wire import decode, encode, to_plain
+from grader.session.packages import PackageSpec, load_problem_module
+from grader.speed import timing
 
 
 def raised_in(error: BaseException, directory: Path | None) -> bool:
@@ -179,7 +179,7 @@ class Worker:
     def handle(self, request: dict) -> dict:
         try:
             return getattr(self, request["op"])(request)
-        except BaseException as error:  # noqa: BLE001 - every student failure is reported, none kills the worker
+        except BaseException as error:  # every student failure is reported, none kills the worker
             if isinstance(error, (KeyboardInterrupt, SystemExit)):
                 raise
             return describe_exception(error, self.impl_dir)

@@ -1,9 +1,9 @@
 """How long student code may run in one test: a multiple of what the reference spends on the same inputs.
 
-A fixed number of seconds is wrong on every machine but the one it was tuned on: the interpreter on two CPU cores is
-a hundred times slower than a GPU, and the grading profile draws larger inputs than the public one. So each test's
-budget grows with the reference's own time in the grader's process (on the same machine, on the same inputs, in
-the same test): the registry's `REFERENCE_TIME_MULTIPLE` times it, never less than the problem's floor (`test_timeout_s`). The worker's
+A fixed number of seconds is wrong on every machine but the one it was tuned on: the interpreter on two CPU cores is a
+hundred times slower than a GPU, and the grading profile draws larger inputs than the public one. So each test's budget
+grows with the reference's own time in the grader's process (on the same machine, on the same inputs, in the same test):
+the registry's `REFERENCE_TIME_MULTIPLE` times it, never less than the problem's floor (`test_timeout_s`). The worker's
 round trips and a student's slower but honest code fit in the multiple; an endless loop still ends at the budget.
 """
 

@@ -12,8 +12,8 @@ from pathlib import Path
 
 import torch
 
-from grader.session.packages import PackageSpec
 from grader.sandbox.isolation import Isolation
+from grader.session.packages import PackageSpec
 
 SECRET_SEED_VARIABLE = "GRADER_SECRET_SEED"
 SECRET_SEED_FILE_VARIABLE = "GRADER_SECRET_SEED_FILE"

@@ -1,7 +1,7 @@
 """The grader's own time limit on each of its tests, through pytest-timeout: the limit above every other limit.
 
-Student code is bounded by its worker's and its ranks' limits (grader.session.budget, the launchers). This one bounds the
-grader itself: a bug in the grader's own code (a wait with no end, an oracle that never returns) fails one test as
+Student code is bounded by its worker's and its ranks' limits (grader.session.budget, the launchers). This one bounds
+the grader itself: a bug in the grader's own code (a wait with no end, an oracle that never returns) fails one test as
 "timed out (grader)" and the rest of the grading goes on. It is pytest-timeout's `timeout` marker, set on every
 grader test, with the alarm handled here: the handler raises a BaseException, which hypothesis does not catch (no
 shrinking replays of a hang), and the limit follows the test's student budget when the reference's time raises it.
@@ -15,9 +15,9 @@ import time
 
 import pytest
 
-from grader.session import budget
 from grader.checks.outcomes import StudentAbort
 from grader.sandbox.client import START_TIMEOUT_S
+from grader.session import budget
 
 # Room for the grader's own work in a test besides student code: the reference's calls (at most a tenth of the
 # student budget, see grader.session.budget), drawing inputs, comparing, starting a worker.

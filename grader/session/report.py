@@ -47,7 +47,8 @@ def skipped_notes(scores: list[ProblemScore]) -> list[str]:
             if result.status == "skipped":
                 key = (score.problem.id, one_line(result.message))
                 notes[key] = notes.get(key, 0.0) + result.share
-    return [f"not graded here: {problem_id}, {points(share)} points: {why}" for (problem_id, why), share in notes.items()]
+    return [f"not graded here: {problem_id}, {points(share)} points: {why}"
+            for (problem_id, why), share in notes.items()]
 
 
 def score_table(scores: list[ProblemScore], isolation: str = "") -> list[str]:
@@ -98,7 +99,8 @@ def results_json(results: list[TestResult], scores: list[ProblemScore], executio
                 "number": f"{problem_number}.{test_number}",
                 "score": result.score,
                 "max_score": result.max_score,
-                "output": result.status if result.message in ("", result.status) else f"{result.status}: {result.message}",
+                "output": (result.status if result.message in ("", result.status)
+                           else f"{result.status}: {result.message}"),
                 "visibility": "visible",
             }
             if result.status != "skipped":

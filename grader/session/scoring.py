@@ -7,8 +7,8 @@ from dataclasses import dataclass, field
 from hypothesis.errors import Unsatisfiable
 
 from assignment.registry import Problem
-from grader.expectations import DrawsDiffer
 from grader.checks.outcomes import GradingFailure, StudentAbort
+from grader.expectations import DrawsDiffer
 
 # A problem's status is the first of these that any of its tests has (skipped only if every test was skipped).
 STATUS_ORDER = ("crashed", "timed out", "timed out (grader)", "failed", "not graded", "not implemented", "passed",

@@ -27,8 +27,8 @@ import pytest
 import torch
 
 from assignment.registry import SpeedThreshold
-from grader.session.budget import ReplayedReference, untimed
 from grader.checks.outcomes import WrongAnswer
+from grader.session.budget import ReplayedReference, untimed
 from grader.speed.timing import Timer, sample
 
 CALLS = 30
@@ -81,7 +81,8 @@ def check_sample(student_sample: torch.Tensor, expected_sample: torch.Tensor, dt
     allowed = 16 * torch.finfo(dtype).eps * (scale or 1.0)
     error = float((student_sample - expected_sample).abs().max()) if expected_sample.numel() else 0.0
     if not error <= allowed:  # also catches NaN
-        raise WrongAnswer(f"{what}: a timed output differs from the expected one by {error:.3g} (allowed {allowed:.3g})")
+        raise WrongAnswer(f"{what}: a timed output differs from the expected one by {error:.3g} "
+                          f"(allowed {allowed:.3g})")
 
 
 def alternate(runners: dict[str, Runner], inputs: Callable, case: tuple, calls: int = CALLS, seed: int | None = None,
@@ -116,8 +117,8 @@ class SpeedSpec:
     module, so that the worker can build the same inputs). With a `harness(function, *args)` (also a module-level
     function of the test module), that is what is timed for all three instead of `function(*args)`: a forward and
     backward pass, say; its return value is the output that is sampled. Where the baseline computes another function
-    than the problem's, `oracle(args, seed)` gives the true output at the positions grader.speed.timing.sample(output, seed)
-    takes, for the students' copy to check against."""
+    than the problem's, `oracle(args, seed)` gives the true output at the positions
+    grader.speed.timing.sample(output, seed) takes, for the students' copy to check against."""
 
     function: str
     baseline: Callable

@@ -1,10 +1,10 @@
 """The reference's time as a ratio to each speed test's baseline, per GPU model, for the students' copy.
 
-A students' copy has no reference to time against, but it has the baseline every speed test already times (torch's
-own operator, or a plain kernel in the grader). On the instructor's GPU this module times the reference and the
-baseline the way grader.speed.grading times a student (grader.speed.grading.alternate: alternating calls, fresh inputs from their
-own seeds, a cold L2, medians) and keeps reference_ms / baseline_ms for every speed case. On a student's GPU of the
-same model, the copy's speed test turns student_ms / baseline_ms into "x the reference" with that ratio.
+A students' copy has no reference to time against, but it has the baseline every speed test already times (torch's own
+operator, or a plain kernel in the grader). On the instructor's GPU this module times the reference and the baseline the
+way grader.speed.grading times a student (grader.speed.grading.alternate: alternating calls, fresh inputs from their own
+seeds, a cold L2, medians) and keeps reference_ms / baseline_ms for every speed case. On a student's GPU of the same
+model, the copy's speed test turns student_ms / baseline_ms into "x the reference" with that ratio.
 
 Every round also checks that what the copy checks a student's timed output against (the baseline's output, or the
 spec's oracle) agrees with the reference's output, with the tolerance a student gets.
@@ -13,8 +13,8 @@ spec's oracle) agrees with the reference's output, with the tolerance a student 
 
 adds this GPU's ratios to OUT.json (by default grader/speed/ratios.json; other GPU models already in it are kept),
 with digests of the reference module and the speed test's functions they were measured with: `python -m grader
-release` leaves out the ratios of a problem where either changed since. Problems graded by step time on several GPUs (the parallel family)
-have no single-GPU baseline: their speed points are given on submission.
+release` leaves out the ratios of a problem where either changed since. Problems graded by step time on several
+GPUs (the parallel family) have no single-GPU baseline: their speed points are given on submission.
 """
 
 from __future__ import annotations

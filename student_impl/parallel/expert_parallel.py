@@ -3,8 +3,8 @@ experts' ranks with all_to_all and the results combined back."""
 
 from __future__ import annotations
 
-import torch  # noqa: F401
-import torch.distributed as dist  # noqa: F401  (all_to_all_single lives here)
+import torch
+import torch.distributed as dist  # all_to_all_single lives here
 from torch import Tensor
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 import torch
-import torch.distributed as dist  # noqa: F401  (send/recv and isend/irecv live here)
+import torch.distributed as dist  # send/recv and isend/irecv live here
 from torch import Tensor
 
 

@@ -33,7 +33,7 @@ Do not use torch.distributed.tensor (DTensor, parallelize_module) or torch.distr
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist  # noqa: F401  (the collectives you will need live here)
+import torch.distributed as dist  # the collectives you will need live here
 from torch import Tensor
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist  # noqa: F401  (the collectives you will need live here)
+import torch.distributed as dist  # the collectives you will need live here
 
 
 class ShardedOptimizer:

@@ -1,11 +1,11 @@
 """Hostile: switches off the worker's operator recorder through the worker's own module (`__main__`), then calls
 torch's softmax and launches a trivial Triton kernel so that "a kernel was launched"."""
 
-import __main__
-
 import torch
 import triton
 import triton.language as tl
+
+import __main__
 
 __main__.guards.ForbiddenOpRecorder.__torch_dispatch__ = (
     lambda self, func, types, args=(), kwargs=None: func(*args, **(kwargs or {}))

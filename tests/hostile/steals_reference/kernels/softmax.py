@@ -5,7 +5,7 @@ import os
 from pathlib import Path
 
 try:
-    from reference.kernels.softmax import softmax  # noqa: F401
+    from reference.kernels.softmax import softmax  # importing it is the attack
 except ImportError as import_error:
     source = Path(os.environ.get("HOSTILE_REFERENCE_GUESS", "/reference")) / "kernels" / "softmax.py"
     try:
