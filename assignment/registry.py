@@ -1,13 +1,15 @@
 """The problem registry: every graded problem, its points, example budgets, time limits and speed thresholds.
 
-One entry per problem. The entry's `id` is also the module path of the problem under an implementation package
-(`kernels.softmax` -> `student_impl/kernels/softmax.py`), the suffix of its grader test module
-(`grader/kernels/test_softmax.py`) and of its handout section (`assignment/handout/sections/kernels/softmax.typ`).
+One entry per problem, in teaching order (the handout's and the score table's): within each family, from the idea a
+student needs first to the ones that build on it. What an entry leaves out is its family's (FAMILY_DEFAULTS). The
+entry's `id` is also the module path of the problem under an implementation package (`kernels.softmax` ->
+`student_impl/kernels/softmax.py`), the suffix of its grader test module (`grader/kernels/test_softmax.py`) and of its
+handout section (`assignment/handout/sections/kernels/softmax.typ`).
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 
 PROFILES = ("ci", "public", "grading")
@@ -31,20 +33,39 @@ class SpeedThreshold:
 
 
 @dataclass(frozen=True)
+class FamilyDefaults:
+    """What a family's problems have unless their entry says otherwise."""
+
+    budgets: dict[str, int]
+    call_timeout_s: float = 60.0
+    world_sizes: tuple[int, ...] = ()
+
+
+FAMILY_DEFAULTS = {
+    "kernels": FamilyDefaults(budgets={"ci": 6, "public": 25, "grading": 150}),
+    "moe": FamilyDefaults(budgets={"ci": 10, "public": 40, "grading": 250}),
+    # Each example launches ranks (seconds, not milliseconds), which also wait on one another.
+    "parallel": FamilyDefaults(budgets={"ci": 1, "public": 2, "grading": 5}, call_timeout_s=90.0, world_sizes=(2, 4)),
+}
+
+
+@dataclass(frozen=True)
 class Problem:
     id: str
     title: str
     # Points per test group; a group is one test function of the problem's grader module, named without `test_`.
     # A parametrised test shares its group's points equally between its cases.
     points: dict[str, float]
-    # Hypothesis examples per test, by profile.
-    budgets: dict[str, int]
-    # Seconds one call into student code may take, and the least seconds one whole test may spend in student code.
-    call_timeout_s: float = 60.0
+    # Hypothesis examples per test, by profile (empty: the family's).
+    budgets: dict[str, int] = field(default_factory=dict)
+    # Seconds one call into student code may take (None: the family's), and the least seconds one whole test may
+    # spend in student code.
+    call_timeout_s: float | None = None
     test_timeout_s: float = 300.0
     speed: SpeedThreshold | None = None
-    # Numbers of ranks the distributed tests use (parallel family only).
-    world_sizes: tuple[int, ...] = ()
+    # Numbers of ranks the distributed tests use (None: the family's; () for a problem that launches no ranks). The
+    # grader's --world-sizes replaces them for a run (grader.session.context.world_sizes).
+    world_sizes: tuple[int, ...] | None = None
     # Tolerance calibration: the student's error against a float64 evaluation may be at most `error_multiple`
     # times the reference's own error at the same dtype, plus a floor of `floor_ulps` units of the dtype's epsilon
     # (relative to the output's magnitude).
@@ -54,12 +75,24 @@ class Problem:
     # is to do itself), and whether its forward and backward must each launch a Triton kernel.
     forbidden_ops: tuple[str, ...] = ()
     uses_triton: bool = False
-    extra: dict[str, object] = field(default_factory=dict)
+    # parallel.activation_checkpointing: the fraction of the plain block's saved bytes a checkpointed block may hold.
+    held_fraction: float | None = None
+    # parallel.fsdp: the error multiple of its bf16 compute test (bf16 rounding compounds over the training steps).
+    bf16_error_multiple: float | None = None
     # Parallel family: per test group, what its points rest on. "outside": values the grader compares with its own
     # computation, which a rank given only its own inputs cannot produce without its peers; "in-process": what the
     # student's process records about itself (collectives, phases, memory, raised exceptions), which catches honest
     # mistakes but can be forged by code that rewrites its own process. The handout prints it.
     evidence: dict[str, str] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        defaults = FAMILY_DEFAULTS[self.family]
+        if not self.budgets:
+            object.__setattr__(self, "budgets", dict(defaults.budgets))
+        if self.call_timeout_s is None:
+            object.__setattr__(self, "call_timeout_s", defaults.call_timeout_s)
+        if self.world_sizes is None:
+            object.__setattr__(self, "world_sizes", defaults.world_sizes)
 
     @property
     def family(self) -> str:
@@ -102,23 +135,6 @@ ATTENTION_FORBIDDEN_OPS = (
 
 PROBLEMS: tuple[Problem, ...] = (
     Problem(
-        id="kernels.softmax",
-        title="Softmax in Triton",
-        points={
-            "matches_reference_fp32": 5,
-            "matches_reference_fp16": 3,
-            "matches_reference_bf16": 2,
-            "long_rows": 4,
-            "large_magnitudes": 3,
-            "invalid_arguments": 1,
-            "speed": 4,
-        },
-        budgets={"ci": 6, "public": 25, "grading": 150},
-        uses_triton=True,
-        forbidden_ops=("aten._softmax", "aten.softmax", "aten._safe_softmax", "aten.special_softmax"),
-        speed=SpeedThreshold(shapes=((8192, 4096), (4096, 32768))),
-    ),
-    Problem(
         id="kernels.gelu",
         title="GeLU in Triton",
         points={
@@ -129,7 +145,6 @@ PROBLEMS: tuple[Problem, ...] = (
             "invalid_arguments": 1,
             "speed": 2,
         },
-        budgets={"ci": 6, "public": 25, "grading": 150},
         uses_triton=True,
         forbidden_ops=("aten.gelu", "aten.gelu_"),
         speed=SpeedThreshold(shapes=((8192, 8192),)),
@@ -146,11 +161,45 @@ PROBLEMS: tuple[Problem, ...] = (
             "invalid_arguments": 1,
             "speed": 2,
         },
-        budgets={"ci": 6, "public": 25, "grading": 150},
         uses_triton=True,
         # One packet: Tensor.sum(), torch.sum(x, dim) and the dtype= forms all dispatch to overloads of aten.sum.
         forbidden_ops=("aten.sum",),
         speed=SpeedThreshold(shapes=((8192, 8192), (1024, 65536))),
+    ),
+    Problem(
+        id="kernels.softmax",
+        title="Softmax in Triton",
+        points={
+            "matches_reference_fp32": 5,
+            "matches_reference_fp16": 3,
+            "matches_reference_bf16": 2,
+            "long_rows": 4,
+            "large_magnitudes": 3,
+            "invalid_arguments": 1,
+            "speed": 4,
+        },
+        uses_triton=True,
+        forbidden_ops=("aten._softmax", "aten.softmax", "aten._safe_softmax", "aten.special_softmax"),
+        speed=SpeedThreshold(shapes=((8192, 4096), (4096, 32768))),
+    ),
+    Problem(
+        id="kernels.rmsnorm",
+        title="RMSNorm forward and backward in Triton",
+        points={
+            "forward_fp32": 4,
+            "forward_fp16": 2,
+            "forward_bf16": 2,
+            "backward_fp32": 5,
+            "backward_fp16": 2,
+            "invalid_arguments": 1,
+            "speed": 2,
+        },
+        budgets={"ci": 5, "public": 20, "grading": 120},
+        uses_triton=True,
+        forbidden_ops=("aten.rms_norm", "aten._fused_rms_norm", "aten._fused_rms_norm_backward"),
+        # 16384 x 8192: long enough (~0.1 ms in bf16) that launch jitter cannot move a verdict; at 8192 x 4096 the
+        # reference against itself ranged 0.65-1.67x.
+        speed=SpeedThreshold(shapes=((16384, 8192),)),
     ),
     Problem(
         id="kernels.matmul",
@@ -187,25 +236,6 @@ PROBLEMS: tuple[Problem, ...] = (
         # A lower floor than the default: at GPU sizes (K in the thousands) it separates an fp16 accumulator (about
         # 1.3 ulps of the output's scale) from fp32 accumulation.
         floor_ulps=2.0,
-    ),
-    Problem(
-        id="kernels.rmsnorm",
-        title="RMSNorm forward and backward in Triton",
-        points={
-            "forward_fp32": 4,
-            "forward_fp16": 2,
-            "forward_bf16": 2,
-            "backward_fp32": 5,
-            "backward_fp16": 2,
-            "invalid_arguments": 1,
-            "speed": 2,
-        },
-        budgets={"ci": 5, "public": 20, "grading": 120},
-        uses_triton=True,
-        forbidden_ops=("aten.rms_norm", "aten._fused_rms_norm", "aten._fused_rms_norm_backward"),
-        # 16384 x 8192: long enough (~0.1 ms in bf16) that launch jitter cannot move a verdict; at 8192 x 4096 the
-        # reference against itself ranged 0.65-1.67x.
-        speed=SpeedThreshold(shapes=((16384, 8192),)),
     ),
     Problem(
         id="kernels.flash_attention_torch",
@@ -258,16 +288,16 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 15, "public": 40, "grading": 250},
     ),
     Problem(
-        id="moe.capacity",
-        title="Expert capacity and token dropping",
+        id="moe.noisy_topk",
+        title="Noisy top-k gating",
         points={
-            "capacity": 2,
-            "kept_set": 5,
-            "positions": 3,
-            "gates": 3,
+            "indices_and_gates": 5,
+            "eval_is_noise_free": 3,
+            "noisy_logits": 2,
+            "tie_breaking": 1,
+            "gradients": 3,
             "invalid_arguments": 1,
         },
-        budgets={"ci": 10, "public": 40, "grading": 250},
     ),
     Problem(
         id="moe.sigmoid_router",
@@ -280,7 +310,62 @@ PROBLEMS: tuple[Problem, ...] = (
             "low_precision_inputs": 1,
             "invalid_arguments": 1,
         },
-        budgets={"ci": 10, "public": 40, "grading": 250},
+    ),
+    Problem(
+        id="moe.group_limited_routing",
+        title="Group-limited routing",
+        points={
+            "groups_and_experts": 5,
+            "gates": 3,
+            "tie_breaking": 2,
+            "gradients": 2,
+            "invalid_arguments": 1,
+        },
+    ),
+    Problem(
+        id="moe.expert_choice",
+        title="Expert-choice routing",
+        points={
+            "tokens_and_gates": 5,
+            "capacity": 2,
+            "tie_breaking": 2,
+            "experts_per_token": 2,
+            "gradients": 4,
+            "low_precision_inputs": 2,
+            "invalid_arguments": 1,
+        },
+    ),
+    Problem(
+        id="moe.capacity",
+        title="Expert capacity and token dropping",
+        points={
+            "capacity": 2,
+            "kept_set": 5,
+            "positions": 3,
+            "gates": 3,
+            "invalid_arguments": 1,
+        },
+    ),
+    Problem(
+        id="moe.sequence_balance_loss",
+        title="Sequence-wise balance loss",
+        points={
+            "loss": 4,
+            "even_routing": 2,
+            "gradients": 4,
+            "low_precision_inputs": 2,
+            "invalid_arguments": 1,
+        },
+    ),
+    Problem(
+        id="moe.bias_balancing",
+        title="Auxiliary-loss-free bias balancing",
+        points={
+            "loads": 3,
+            "bias_update": 4,
+            "experts_at_the_mean": 2,
+            "invalid_arguments": 1,
+        },
     ),
     Problem(
         id="moe.moe_layer",
@@ -314,18 +399,6 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 4, "public": 15, "grading": 60},
     ),
     Problem(
-        id="moe.group_limited_routing",
-        title="Group-limited routing",
-        points={
-            "groups_and_experts": 5,
-            "gates": 3,
-            "tie_breaking": 2,
-            "gradients": 2,
-            "invalid_arguments": 1,
-        },
-        budgets={"ci": 10, "public": 40, "grading": 250},
-    ),
-    Problem(
         id="moe.accounting",
         title="Total and activated parameters of an MoE model",
         points={
@@ -334,163 +407,6 @@ PROBLEMS: tuple[Problem, ...] = (
             "invalid_arguments": 1,
         },
         budgets={"ci": 20, "public": 100, "grading": 500},
-    ),
-    Problem(
-        id="moe.sequence_balance_loss",
-        title="Sequence-wise balance loss",
-        points={
-            "loss": 4,
-            "even_routing": 2,
-            "gradients": 4,
-            "low_precision_inputs": 2,
-            "invalid_arguments": 1,
-        },
-        budgets={"ci": 10, "public": 40, "grading": 250},
-    ),
-    Problem(
-        id="moe.bias_balancing",
-        title="Auxiliary-loss-free bias balancing",
-        points={
-            "loads": 3,
-            "bias_update": 4,
-            "experts_at_the_mean": 2,
-            "invalid_arguments": 1,
-        },
-        budgets={"ci": 10, "public": 40, "grading": 250},
-    ),
-    Problem(
-        id="moe.expert_choice",
-        title="Expert-choice routing",
-        points={
-            "tokens_and_gates": 5,
-            "capacity": 2,
-            "tie_breaking": 2,
-            "experts_per_token": 2,
-            "gradients": 4,
-            "low_precision_inputs": 2,
-            "invalid_arguments": 1,
-        },
-        budgets={"ci": 10, "public": 40, "grading": 250},
-    ),
-    Problem(
-        id="moe.noisy_topk",
-        title="Noisy top-k gating",
-        points={
-            "indices_and_gates": 5,
-            "eval_is_noise_free": 3,
-            "noisy_logits": 2,
-            "tie_breaking": 1,
-            "gradients": 3,
-            "invalid_arguments": 1,
-        },
-        budgets={"ci": 10, "public": 40, "grading": 250},
-    ),
-    Problem(
-        id="parallel.ddp",
-        title="Data parallelism with overlapped gradient all-reduce",
-        points={
-            "broadcast_at_construction": 3,
-            "matches_single_process": 8,
-            "frozen_parameter": 3,
-            "tied_weights": 3,
-            "overlaps_backward": 3,
-        },
-        budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=90.0,
-        world_sizes=(2, 4),
-        evidence={
-            "broadcast_at_construction": (
-                "outside: weights after DDP(model) equal rank 0's, which only rank 0 received; in-process: `.module` "
-                "is the model given"
-            ),
-            "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
-            "frozen_parameter": "outside: training values; in-process: the count of all-reduces",
-            "tied_weights": "outside: training values; in-process: the count of all-reduces",
-            "overlaps_backward": (
-                "in-process: recorded all-reduces, their phase, async flag and the phase of their wait"
-            ),
-        },
-    ),
-    Problem(
-        id="parallel.ddp_bucketed",
-        title="Data parallelism with gradient buckets",
-        points={
-            "matches_single_process": 8,
-            "bucket_partition": 5,
-            "overlaps_backward": 4,
-            "speed": 3,
-            "process_group": 2,
-        },
-        budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=90.0,
-        # Step time on two GPUs: (layers, width, rows per rank) of a stack of Linear + GELU layers.
-        speed=SpeedThreshold(shapes=((8, 4096, 512),), dtypes=("float32",)),
-        world_sizes=(2, 4),
-        evidence={
-            "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
-            "bucket_partition": "in-process: byte sizes of the recorded all-reduces; `.module` is the model given",
-            "overlaps_backward": "in-process: recorded phases, async flags and the phases of their waits",
-            "speed": "in-process: step times measured in the ranks, against the reference's ranks",
-            "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
-        },
-    ),
-    Problem(
-        id="parallel.tensor_parallel",
-        title="Tensor parallelism: column- and row-parallel layers, MLP and attention",
-        points={
-            "column_parallel_linear": 3,
-            "row_parallel_linear": 3,
-            "mlp_matches_single_rank": 5,
-            "attention_matches_single_rank": 5,
-            "collective_pattern": 4,
-            "invalid_arguments": 1,
-            "process_group": 2,
-        },
-        budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=90.0,
-        world_sizes=(2, 4),
-        evidence={
-            "column_parallel_linear": "outside: the input gradient needs every rank's upstream shard",
-            "row_parallel_linear": "outside: the output needs every rank's input shard",
-            "mlp_matches_single_rank": (
-                "outside: values (each rank holds the replicated input, so one rank could compute them)"
-            ),
-            "attention_matches_single_rank": (
-                "outside: values (each rank holds the replicated input, so one rank could compute them)"
-            ),
-            "collective_pattern": "in-process: recorded collectives, bytes and phases",
-            "invalid_arguments": "in-process: exception types raised in the ranks",
-            "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
-        },
-    ),
-    Problem(
-        id="parallel.pipeline",
-        title="Pipeline parallelism with GPipe and 1F1B schedules",
-        points={
-            "bubble_fraction": 2,
-            "gpipe_matches_single_process": 5,
-            "one_f_one_b_matches_single_process": 5,
-            "gpipe_order": 2,
-            "one_f_one_b_order": 4,
-            "invalid_arguments": 1,
-            "process_group": 2,
-        },
-        budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=90.0,
-        world_sizes=(2, 4),
-        evidence={
-            "bubble_fraction": "outside: numbers compared in the grader's process",
-            "gpipe_matches_single_process": (
-                "outside: stage gradients, weights and loss need every stage's weights and data"
-            ),
-            "one_f_one_b_matches_single_process": (
-                "outside: stage gradients, weights and loss need every stage's weights and data"
-            ),
-            "gpipe_order": "in-process: forward and backward order recorded by hooks in the ranks",
-            "one_f_one_b_order": "in-process: forward and backward order recorded by hooks in the ranks",
-            "invalid_arguments": "in-process: exception types raised in the ranks",
-            "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
-        },
     ),
     Problem(
         id="parallel.collectives",
@@ -507,9 +423,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "process_groups": 3,
             "invalid_arguments": 1,
         },
-        budgets={"ci": 1, "public": 2, "grading": 5},
         call_timeout_s=60.0,
-        world_sizes=(2, 4),
         evidence={
             "broadcast": (
                 "outside: results equal what the grader computes from every rank's inputs; in-process: the send/recv "
@@ -551,42 +465,45 @@ PROBLEMS: tuple[Problem, ...] = (
         },
     ),
     Problem(
-        id="parallel.activation_checkpointing",
-        title="Activation checkpointing",
+        id="parallel.ddp",
+        title="Data parallelism with overlapped gradient all-reduce",
         points={
-            "matches_plain_block": 5,
-            "inputs_without_grad": 2,
-            "dropout_replays": 4,
-            "saves_no_activations": 4,
+            "broadcast_at_construction": 3,
+            "matches_single_process": 8,
+            "frozen_parameter": 3,
+            "tied_weights": 3,
+            "overlaps_backward": 3,
         },
-        budgets={"ci": 3, "public": 15, "grading": 60},
-        # What a checkpointed forward may keep beyond its outputs, as a fraction of what the plain block keeps.
-        extra={"held_fraction": 0.25},
         evidence={
-            "matches_plain_block": "outside: outputs and gradients compared in the grader's process",
-            "inputs_without_grad": "outside: outputs and gradients compared in the grader's process",
-            "dropout_replays": "outside: outputs and gradients compared in the grader's process",
-            "saves_no_activations": "in-process: tensors saved for backward, recorded in the worker",
+            "broadcast_at_construction": (
+                "outside: weights after DDP(model) equal rank 0's, which only rank 0 received; in-process: `.module` "
+                "is the model given"
+            ),
+            "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
+            "frozen_parameter": "outside: training values; in-process: the count of all-reduces",
+            "tied_weights": "outside: training values; in-process: the count of all-reduces",
+            "overlaps_backward": (
+                "in-process: recorded all-reduces, their phase, async flag and the phase of their wait"
+            ),
         },
     ),
     Problem(
-        id="parallel.expert_parallel",
-        title="Expert parallelism with all_to_all dispatch and combine",
+        id="parallel.ddp_bucketed",
+        title="Data parallelism with gradient buckets",
         points={
-            "matches_single_rank": 8,
-            "uneven_and_empty_experts": 5,
-            "uses_all_to_all": 4,
-            "invalid_arguments": 1,
+            "matches_single_process": 8,
+            "bucket_partition": 5,
+            "overlaps_backward": 4,
+            "speed": 3,
             "process_group": 2,
         },
-        budgets={"ci": 1, "public": 3, "grading": 8},
-        call_timeout_s=90.0,
-        world_sizes=(2, 4),
+        # Step time on two GPUs: (layers, width, rows per rank) of a stack of Linear + GELU layers.
+        speed=SpeedThreshold(shapes=((8, 4096, 512),), dtypes=("float32",)),
         evidence={
-            "matches_single_rank": "outside: outputs and gradients need other ranks' experts and tokens",
-            "uneven_and_empty_experts": "outside: outputs and gradients need other ranks' experts and tokens",
-            "uses_all_to_all": "in-process: recorded collectives and bytes per phase",
-            "invalid_arguments": "in-process: exception types raised in the ranks",
+            "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
+            "bucket_partition": "in-process: byte sizes of the recorded all-reduces; `.module` is the model given",
+            "overlaps_backward": "in-process: recorded phases, async flags and the phases of their waits",
+            "speed": "in-process: step times measured in the ranks, against the reference's ranks",
             "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
         },
     ),
@@ -598,9 +515,6 @@ PROBLEMS: tuple[Problem, ...] = (
             "state_sharded": 6,
             "process_group": 2,
         },
-        budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=90.0,
-        world_sizes=(2, 4),
         evidence={
             "matches_unsharded": "outside: every rank's weights after each step equal the grader's training",
             "state_sharded": (
@@ -608,6 +522,25 @@ PROBLEMS: tuple[Problem, ...] = (
                 "probe)"
             ),
             "process_group": "outside: each group's weights equal the grader's training",
+        },
+    ),
+    Problem(
+        id="parallel.zero2",
+        title="ZeRO-2: sharded gradients and optimizer state",
+        points={
+            "matches_single_process": 8,
+            "gradients_sharded": 5,
+            "collective_pattern": 4,
+            "process_group": 2,
+        },
+        evidence={
+            "matches_single_process": "outside: owners' gradients need every rank's rows, weights need rank 0's",
+            "gradients_sharded": (
+                "in-process: which gradients the rank reports as None, and the bytes backward and the reduces leave "
+                "alive (memory probe); `.module` is the model given"
+            ),
+            "collective_pattern": "in-process: recorded collectives, their phases and the phases of their waits",
+            "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
         },
     ),
     Problem(
@@ -624,13 +557,10 @@ PROBLEMS: tuple[Problem, ...] = (
             "speed": 3,
             "process_group": 2,
         },
-        budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=90.0,
-        world_sizes=(2, 4),
         # Step time on two GPUs: (width, units, rows per rank), AdamW on bf16 compute.
         speed=SpeedThreshold(shapes=((4096, 4, 8192),), dtypes=("bfloat16",)),
         # bf16 compute: the student's error may be this multiple of the reference's own bf16 run's.
-        extra={"bf16_error_multiple": 8.0},
+        bf16_error_multiple=8.0,
         evidence={
             "matches_single_process": "outside: gradient and weight shards equal the grader's training",
             "frozen_parameter": "outside: training values compared in the grader's process",
@@ -644,26 +574,29 @@ PROBLEMS: tuple[Problem, ...] = (
         },
     ),
     Problem(
-        id="parallel.accounting",
-        title="Memory and communication accounting",
+        id="parallel.tensor_parallel",
+        title="Tensor parallelism: column- and row-parallel layers, MLP and attention",
         points={
-            "bytes_per_parameter": 3,
-            "communication_volume": 3,
-            "activations": 2,
-            "tensor_parallel_activations": 2,
-            "sequence_parallel_activations": 2,
+            "column_parallel_linear": 3,
+            "row_parallel_linear": 3,
+            "mlp_matches_single_rank": 5,
+            "attention_matches_single_rank": 5,
+            "collective_pattern": 4,
             "invalid_arguments": 1,
+            "process_group": 2,
         },
-        budgets={"ci": 25, "public": 100, "grading": 400},
-        call_timeout_s=10.0,
-        test_timeout_s=120.0,
         evidence={
-            "bytes_per_parameter": "outside: numbers compared in the grader's process",
-            "communication_volume": "outside: numbers compared in the grader's process",
-            "activations": "outside: numbers compared in the grader's process",
-            "tensor_parallel_activations": "outside: numbers compared in the grader's process",
-            "sequence_parallel_activations": "outside: numbers compared in the grader's process",
-            "invalid_arguments": "outside: numbers compared in the grader's process",
+            "column_parallel_linear": "outside: the input gradient needs every rank's upstream shard",
+            "row_parallel_linear": "outside: the output needs every rank's input shard",
+            "mlp_matches_single_rank": (
+                "outside: values (each rank holds the replicated input, so one rank could compute them)"
+            ),
+            "attention_matches_single_rank": (
+                "outside: values (each rank holds the replicated input, so one rank could compute them)"
+            ),
+            "collective_pattern": "in-process: recorded collectives, bytes and phases",
+            "invalid_arguments": "in-process: exception types raised in the ranks",
+            "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
         },
     ),
     Problem(
@@ -677,9 +610,6 @@ PROBLEMS: tuple[Problem, ...] = (
             "invalid_arguments": 1,
             "process_group": 2,
         },
-        budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=90.0,
-        world_sizes=(2, 4),
         evidence={
             "gather_and_reduce_scatter": "outside: results need the other ranks' tensors; in-process: the call pattern",
             "block_matches_single_rank": "outside: parameter gradients sum over every rank's tokens",
@@ -690,25 +620,93 @@ PROBLEMS: tuple[Problem, ...] = (
         },
     ),
     Problem(
-        id="parallel.zero2",
-        title="ZeRO-2: sharded gradients and optimizer state",
+        id="parallel.pipeline",
+        title="Pipeline parallelism with GPipe and 1F1B schedules",
         points={
-            "matches_single_process": 8,
-            "gradients_sharded": 5,
-            "collective_pattern": 4,
+            "bubble_fraction": 2,
+            "gpipe_matches_single_process": 5,
+            "one_f_one_b_matches_single_process": 5,
+            "gpipe_order": 2,
+            "one_f_one_b_order": 4,
+            "invalid_arguments": 1,
             "process_group": 2,
         },
-        budgets={"ci": 1, "public": 2, "grading": 5},
-        call_timeout_s=90.0,
-        world_sizes=(2, 4),
         evidence={
-            "matches_single_process": "outside: owners' gradients need every rank's rows, weights need rank 0's",
-            "gradients_sharded": (
-                "in-process: which gradients the rank reports as None, and the bytes backward and the reduces leave "
-                "alive (memory probe); `.module` is the model given"
+            "bubble_fraction": "outside: numbers compared in the grader's process",
+            "gpipe_matches_single_process": (
+                "outside: stage gradients, weights and loss need every stage's weights and data"
             ),
-            "collective_pattern": "in-process: recorded collectives, their phases and the phases of their waits",
+            "one_f_one_b_matches_single_process": (
+                "outside: stage gradients, weights and loss need every stage's weights and data"
+            ),
+            "gpipe_order": "in-process: forward and backward order recorded by hooks in the ranks",
+            "one_f_one_b_order": "in-process: forward and backward order recorded by hooks in the ranks",
+            "invalid_arguments": "in-process: exception types raised in the ranks",
             "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
+        },
+    ),
+    Problem(
+        id="parallel.expert_parallel",
+        title="Expert parallelism with all_to_all dispatch and combine",
+        points={
+            "matches_single_rank": 8,
+            "uneven_and_empty_experts": 5,
+            "uses_all_to_all": 4,
+            "invalid_arguments": 1,
+            "process_group": 2,
+        },
+        budgets={"ci": 1, "public": 3, "grading": 8},
+        evidence={
+            "matches_single_rank": "outside: outputs and gradients need other ranks' experts and tokens",
+            "uneven_and_empty_experts": "outside: outputs and gradients need other ranks' experts and tokens",
+            "uses_all_to_all": "in-process: recorded collectives and bytes per phase",
+            "invalid_arguments": "in-process: exception types raised in the ranks",
+            "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
+        },
+    ),
+    Problem(
+        id="parallel.activation_checkpointing",
+        title="Activation checkpointing",
+        points={
+            "matches_plain_block": 5,
+            "inputs_without_grad": 2,
+            "dropout_replays": 4,
+            "saves_no_activations": 4,
+        },
+        call_timeout_s=60.0,
+        world_sizes=(),
+        budgets={"ci": 3, "public": 15, "grading": 60},
+        # What a checkpointed forward may keep beyond its outputs, as a fraction of what the plain block keeps.
+        held_fraction=0.25,
+        evidence={
+            "matches_plain_block": "outside: outputs and gradients compared in the grader's process",
+            "inputs_without_grad": "outside: outputs and gradients compared in the grader's process",
+            "dropout_replays": "outside: outputs and gradients compared in the grader's process",
+            "saves_no_activations": "in-process: tensors saved for backward, recorded in the worker",
+        },
+    ),
+    Problem(
+        id="parallel.accounting",
+        title="Memory and communication accounting",
+        points={
+            "bytes_per_parameter": 3,
+            "communication_volume": 3,
+            "activations": 2,
+            "tensor_parallel_activations": 2,
+            "sequence_parallel_activations": 2,
+            "invalid_arguments": 1,
+        },
+        world_sizes=(),
+        budgets={"ci": 25, "public": 100, "grading": 400},
+        call_timeout_s=10.0,
+        test_timeout_s=120.0,
+        evidence={
+            "bytes_per_parameter": "outside: numbers compared in the grader's process",
+            "communication_volume": "outside: numbers compared in the grader's process",
+            "activations": "outside: numbers compared in the grader's process",
+            "tensor_parallel_activations": "outside: numbers compared in the grader's process",
+            "sequence_parallel_activations": "outside: numbers compared in the grader's process",
+            "invalid_arguments": "outside: numbers compared in the grader's process",
         },
     ),
 )
@@ -724,16 +722,6 @@ def problem_ids(text: str) -> list[str]:
     if unknown:
         raise ValueError(f"unknown problem {', '.join(unknown)} (known: {', '.join(BY_ID)})")
     return ids
-
-
-def use_world_sizes(world_sizes: tuple[int, ...]) -> None:
-    """Grade every distributed problem at these numbers of ranks instead of its own, e.g. (4, 8) on an 8-GPU node.
-
-    Test modules read a problem's world sizes when they are collected: the plugin calls this before collection.
-    """
-    global PROBLEMS
-    PROBLEMS = tuple(replace(p, world_sizes=world_sizes) if p.world_sizes else p for p in PROBLEMS)
-    BY_ID.update({p.id: p for p in PROBLEMS})
 
 
 def problem_for_test_module(module_name: str) -> Problem | None:

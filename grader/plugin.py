@@ -23,7 +23,7 @@ from grader.checks import profiles, stubs
 from grader.checks.outcomes import NotImplementedByStudent
 from grader.cluster.snapshot import snapshot
 from grader.distributed.launcher import RankJob, launcher_for
-from grader.sandbox import isolation
+from grader.sandbox import isolation, policy
 from grader.sandbox.client import Sandbox
 from grader.session import backend, budget, lanes, outer_timeout, reference_lock, seal
 from grader.session.context import Context, current, secret_seed, set_current, take_secret_seed
@@ -137,8 +137,9 @@ def pytest_configure(config: pytest.Config) -> None:
             take_secret_seed()  # fail now, before any test, if the seed is missing
         except (OSError, RuntimeError, ValueError) as error:
             raise pytest.UsageError(str(error)) from None
-    for variable in isolation.SECRET_VARIABLES:
+    for variable in policy.SECRET_VARIABLES:
         os.environ.pop(variable, None)  # nothing started from here on inherits a secret
+    world_sizes = None
     if config.getoption("--world-sizes"):
         text = config.getoption("--world-sizes")
         try:
@@ -147,7 +148,6 @@ def pytest_configure(config: pytest.Config) -> None:
             raise pytest.UsageError(f"--world-sizes takes numbers such as 4,8, not {text!r}") from None
         if not world_sizes or min(world_sizes) < 1:
             raise pytest.UsageError("--world-sizes needs at least one number of ranks, each >= 1")
-        registry.use_world_sizes(world_sizes)
     root = Path(config.rootpath)
     search_path = [str(Path.cwd()), str(root)]
     try:
@@ -176,8 +176,8 @@ def pytest_configure(config: pytest.Config) -> None:
     if level == "uid" and not isolation.unreadable_by_sandbox_user(reference.path):
         raise pytest.UsageError(f"--isolation uid: the user {isolation.SANDBOX_USER!r} could read the reference at "
                                 f"{reference.path}; make a directory on its path private (chmod o-rx)")
-    set_current(Context(profile=profile, impl=impl, reference=reference, device=device, isolation=sandbox,
-                        isolation_note=note, impl_copy=private_copy(impl, sandbox)))
+    set_current(Context(impl=impl, reference=reference, device=device, isolation=sandbox,
+                        isolation_note=note, impl_copy=private_copy(impl, sandbox), world_sizes=world_sizes))
     config.stash[RESULTS] = {}
     config.stash[ALL_STUBS] = {}
     config.stash[PROBLEM_SPAN] = {}

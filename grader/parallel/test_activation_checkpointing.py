@@ -24,7 +24,7 @@ from grader.distributed.memory import MemoryProbe
 
 PROBLEM = BY_ID["parallel.activation_checkpointing"]
 # The checkpointed forward may keep, beyond its outputs, at most this fraction of what the plain block keeps.
-HELD_FRACTION = PROBLEM.extra["held_fraction"]
+HELD_FRACTION = PROBLEM.held_fraction
 
 
 class ResidualMLP(torch.nn.Module):

@@ -28,6 +28,7 @@ from grader.checks.strategies import data_seeds, dims
 from grader.distributed import recorder
 from grader.distributed.rank import rank_device
 from grader.distributed.rank_data import without_seeds
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.collectives"]
 POINT_TO_POINT = ("send", "recv", "isend", "irecv", "batch_isend_irecv")
@@ -378,7 +379,7 @@ def test_reduce_scatter(ranks, world_size, data):
     grade(ranks, "reduce_scatter", world_size, data)
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_all_reduce(ranks, world_size, data):

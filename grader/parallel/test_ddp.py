@@ -22,6 +22,7 @@ from grader.distributed import recorder
 from grader.distributed.rank import rank_device
 from grader.distributed.rank_data import plain_state, row_shards
 from grader.parallel.models import check_module_kept, shard_mean_loss
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.ddp"]
 STEPS = 3
@@ -189,7 +190,7 @@ def test_broadcast_at_construction(ranks, world_size, config):
                 raise WrongAnswer(f"after DDP(module), buffer {index} on rank {rank} differs from rank 0's")
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_matches_single_process(ranks, world_size, config):

@@ -33,6 +33,7 @@ from grader.distributed.subgroups import (
     with_setup,
 )
 from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.ddp_bucketed"]
 STEPS = 3
@@ -301,7 +302,7 @@ def check_training(results: list[dict], config: dict, data_ranks: int, group_ind
                         f"weights after {STEPS} steps", context)
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(config=configs())
 def test_matches_single_process(ranks, world_size, config):

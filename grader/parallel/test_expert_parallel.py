@@ -25,6 +25,7 @@ from grader.distributed import recorder
 from grader.distributed.raised import check_value_errors, raised_by
 from grader.distributed.rank import rank_device
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.expert_parallel"]
 # The token rows a rank may receive in one pass, as a multiple of the minimum, plus room for the counts.
@@ -183,7 +184,7 @@ def configs(draw, world_size: int, tokens=None, widths=None, k=None, skewed: boo
     }
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_matches_single_rank(ranks, reference, world_size, data):

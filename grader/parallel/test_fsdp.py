@@ -25,11 +25,13 @@ from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
 from grader.distributed import recorder
 from grader.distributed.memory import MemoryProbe, probe_point
+from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
 from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.parallel.models import shard_mean_loss
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.fsdp"]
 STEPS = 3
@@ -179,13 +181,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
 def construct_on_rank(student, rank: int, world_size: int, config: dict) -> dict:
     """Runs in a rank process: construct the student's FSDP and report what it raised, if anything (no data: the
     config's seed only sets the initial weights, which every rank shares)."""
-    try:
-        student.FSDP(make_model(config).to(rank_device()))
-    except NotImplementedError:
-        raise  # a stub: reported as not implemented
-    except Exception as error:  # noqa: BLE001 - the verdict is made in the grader's process
-        return {"raised": [cls.__name__ for cls in type(error).__mro__], "message": f"{type(error).__name__}: {error}"}
-    return {"raised": None, "message": ""}
+    return raised_by({"FSDP": lambda: student.FSDP(make_model(config).to(rank_device()))})
 
 
 def run_training(ranks, world_size: int, config: dict, reference: bool = False) -> list[dict]:
@@ -313,7 +309,7 @@ configs = st.fixed_dictionaries({
 })
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_matches_single_process(ranks, world_size, config):
@@ -366,9 +362,8 @@ def test_full_state_dict(ranks, world_size, config):
 @given(config=configs)
 def test_tied_weights_rejected(ranks, world_size, config):
     config = {**config, "widths": [config["widths"][0], 5, 5, 5], "variant": "tied"}
-    for rank, result in enumerate(ranks.run(construct_on_rank, world_size, config)):
-        if result["raised"] is None or "ValueError" not in result["raised"]:
-            got = f"it raised {result['message']}" if result["raised"] else "it returned normally"
+    for rank, raised in enumerate(ranks.run(construct_on_rank, world_size, config)):
+        for _, got in not_raising(raised, "ValueError", with_message=True):
             raise WrongAnswer(f"rank {rank}: FSDP on a module whose block0.second.weight and block2.second.weight are "
                               f"one Parameter must raise ValueError (tied weights are not supported); {got}")
 
@@ -459,7 +454,7 @@ def test_compute_dtype_bf16(ranks, world_size, config):
     check_collectives(results, config, world_size)
     # The tolerance is calibrated on the reference's own bf16 run.
     check_training(results, config, world_size, run_training(ranks, world_size, config, reference=True),
-                   multiple=PROBLEM.extra["bf16_error_multiple"])
+                   multiple=PROBLEM.bf16_error_multiple)
 
 
 @pytest.mark.parametrize("world_size", [4])

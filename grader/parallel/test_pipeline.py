@@ -28,6 +28,7 @@ from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
 from grader.distributed.rank_data import without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.pipeline"]
 STEPS = 2
@@ -281,7 +282,7 @@ def test_bubble_fraction(student, stages, micro_batches):
         assert_raises(student.raises("bubble_fraction", *bad), "ValueError", f"bubble_fraction{bad}")
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_gpipe_matches_single_process(ranks, reference, world_size, data):
@@ -291,7 +292,7 @@ def test_gpipe_matches_single_process(ranks, reference, world_size, data):
     check_training(run_stages(ranks, world_size, config), config, world_size, reference)
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_one_f_one_b_matches_single_process(ranks, reference, world_size, data):

@@ -34,6 +34,7 @@ from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
 from grader.distributed.rank_data import integer_tensor, without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.sequence_parallel"]
 LEARNING_RATE = 0.1
@@ -175,7 +176,7 @@ def check_collectives(case: dict, results: list[dict], group_index: int | None =
                                       f"{describe_calls(calls[name][phase])} ({context})")
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_gather_and_reduce_scatter(ranks, world_size, data):
@@ -361,7 +362,7 @@ def block_cases(world_size: int, dropout: st.SearchStrategy[float], steps: int) 
     })
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_block_matches_single_rank(ranks, reference, world_size, data):

@@ -35,6 +35,7 @@ from grader.distributed.raised import check_value_errors, raised_by
 from grader.distributed.rank import rank_device
 from grader.distributed.rank_data import integer_tensor, without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.tensor_parallel"]
 LEARNING_RATE = 0.1
@@ -314,14 +315,14 @@ def test_row_parallel_linear(ranks, reference, world_size, data):
     check_layer(ranks, reference, "row", world_size, data.draw(cases_strategy("row", world_size, 1)))
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_mlp_matches_single_rank(ranks, reference, world_size, data):
     check_layer(ranks, reference, "mlp", world_size, data.draw(cases_strategy("mlp", world_size, 2)))
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(data=st.data())
 def test_attention_matches_single_rank(ranks, reference, world_size, data):

@@ -27,6 +27,7 @@ from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group
 from grader.distributed.travel import check_parameters_travel
 from grader.parallel.models import TiedMLP, shard_mean_loss, tied_mlp_from_state
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.zero1"]
 STEPS = 3
@@ -219,7 +220,7 @@ def run_training(ranks, world_size: int, config: dict) -> list[dict]:
                      rank_data=inputs_by_group(config, world_size, group_size, rank_inputs))
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(config=configs())
 def test_matches_unsharded(ranks, world_size, config):

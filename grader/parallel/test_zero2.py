@@ -28,6 +28,7 @@ from grader.distributed.rank_data import plain_state, row_shards, without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.distributed.travel import check_parameters_travel
 from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss, tied_mlp_from_state
+from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.zero2"]
 STEPS = 3
@@ -185,7 +186,7 @@ def check_training(results: list[dict], config: dict, ranks: int, group: int | N
                              context=context, scale=largest_magnitude(exact["weights"][step]), **tolerance)
 
 
-@pytest.mark.parametrize("world_size", PROBLEM.world_sizes)
+@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
 @examples(PROBLEM, shrink=False)
 @given(config=configs)
 def test_matches_single_process(ranks, world_size, config):

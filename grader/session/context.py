@@ -12,22 +12,26 @@ from pathlib import Path
 
 import torch
 
+from grader.checks import profiles
 from grader.sandbox.isolation import Isolation
+from grader.sandbox.policy import SECRET_SEED_FILE_VARIABLE, SECRET_SEED_VARIABLE
 from grader.session.packages import PackageSpec
-
-SECRET_SEED_VARIABLE = "GRADER_SECRET_SEED"
-SECRET_SEED_FILE_VARIABLE = "GRADER_SECRET_SEED_FILE"
 
 
 @dataclass(frozen=True)
 class Context:
-    profile: str
     impl: PackageSpec  # as given: what the student knows it as
     reference: PackageSpec
     device: torch.device
     isolation: Isolation
     isolation_note: str = ""
     impl_copy: PackageSpec | None = None  # the private copy that sandboxes see
+    world_sizes: tuple[int, ...] | None = None  # --world-sizes: every distributed problem's, for this run
+
+    @property
+    def profile(self) -> str:
+        """The profile this run grades with, read where every process of it reads it (worker and ranks too)."""
+        return profiles.active()
 
     @property
     def graded(self) -> PackageSpec:
@@ -47,6 +51,14 @@ def current() -> Context:
     if _current is None:
         raise RuntimeError("the grader's context is set by its pytest plugin: run `pytest grader`")
     return _current
+
+
+def world_sizes(problem) -> tuple[int, ...]:
+    """The numbers of ranks a distributed problem's tests launch in this run: the registry's, or --world-sizes'.
+    Test modules read them when they are collected, after the plugin set the context (a rank that imports a test
+    module for its programs has no context, and no use for them)."""
+    override = _current.world_sizes if _current is not None else None
+    return override if override and problem.world_sizes else problem.world_sizes
 
 
 def take_secret_seed() -> None:
