@@ -36,7 +36,7 @@ sys.path.insert(0, str(ROOT))
 import torch
 
 from assignment.registry import BY_ID, PROBLEMS, PROFILES
-from grader.session.context import SECRET_SEED_FILE_VARIABLE, SECRET_SEED_VARIABLE
+from grader.sandbox.policy import SECRET_SEED_FILE_VARIABLE, SECRET_SEED_VARIABLE
 from grader.session.report import machine_description, points
 
 RESULTS_MD = ROOT / "benchmarks" / "results" / "grading_time.md"

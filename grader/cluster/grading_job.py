@@ -16,8 +16,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from grader.cluster import site
+from grader.sandbox.policy import RESULTS_KEY_FILE_VARIABLE, SECRET_SEED_FILE_VARIABLE
 from grader.session import seal
-from grader.session.context import SECRET_SEED_FILE_VARIABLE
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 NO_SITE_STATUS = 4  # not graded: no site file says how (a request from the students' copy)
@@ -64,7 +64,7 @@ def run_grading(request: GradingRequest) -> int:
     launcher = "srun" if "SLURM_JOB_ID" in os.environ and os.environ.get("SUBMITIT_EXECUTOR") == "slurm" else "local"
     results = Path(request.results_json)
     results.unlink(missing_ok=True)  # only this run's results may be read back
-    env = {**os.environ, **request.environment, seal.KEY_FILE_VARIABLE: request.key_file}
+    env = {**os.environ, **request.environment, RESULTS_KEY_FILE_VARIABLE: request.key_file}
     repository = REPOSITORY
     if not request.reference:
         try:

@@ -34,7 +34,7 @@ import torch
 from grader.checks.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
 from grader.distributed.host import group_sandbox, rank_data_fds
 from grader.sandbox.client import exit_description, kill_group
-from grader.sandbox.isolation import SECRET_VARIABLES
+from grader.sandbox.policy import SECRET_VARIABLES, without_secrets
 from grader.sandbox.wire import decode, encode
 from grader.session.packages import PackageSpec
 
@@ -357,7 +357,7 @@ def _ignoring(*errors):
 
 def launcher_environment() -> dict[str, str]:
     """The host process' environment: the grader's, without its secrets (the host passes it on to the ranks)."""
-    return {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
+    return without_secrets(os.environ)
 
 
 @contextmanager

@@ -21,7 +21,7 @@ import torch.distributed as dist
 
 from grader.distributed import recorder
 from grader.sandbox import guards
-from grader.sandbox.isolation import SECRET_VARIABLES
+from grader.sandbox.policy import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode, to_plain
 from grader.sandbox.worker import describe_exception, guard_reference
 from grader.session.packages import PackageSpec, load_problem_module

@@ -28,8 +28,8 @@ from assignment.registry import PROBLEMS, problem_ids
 from grader.cluster.grading_job import GradingRequest, run_grading
 from grader.cluster.jobs import GRADED_EXIT_STATUSES
 from grader.cluster.snapshot import IGNORED, copied
+from grader.sandbox.policy import SECRET_SEED_FILE_VARIABLE
 from grader.session import seal
-from grader.session.context import SECRET_SEED_FILE_VARIABLE
 
 REPOSITORY = Path(__file__).resolve().parents[2]
 # What the zip carries of this repository: the grader, the registry, the reference and the stubs (a module the

@@ -31,15 +31,12 @@ import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from grader.sandbox.policy import REPOSITORY, student_environment
+
 LEVELS = ("bwrap", "uid", "none")
 REQUESTS = ("auto", *LEVELS)
 ISOLATION_VARIABLE = "GRADER_ISOLATION"
 
-# Variables a student process must not see: the grading seed would let it predict the inputs, the reference path
-# would tell it where the solutions are, the key file where results are signed.
-SECRET_VARIABLES = ("GRADER_SECRET_SEED", "GRADER_SECRET_SEED_FILE", "GRADER_REFERENCE", "GRADER_RESULTS_KEY_FILE")
-
-REPOSITORY = Path(__file__).resolve().parents[2]
 # What the sandbox sees of the repository: the grader's own code and the registry it reads. Never `reference/`.
 CODE_PACKAGES = ("grader", "assignment")
 
@@ -53,21 +50,6 @@ TMP_BYTES = 2 << 30
 SHM_BYTES = 4 << 30
 MAX_PROCESSES = 4096  # threads count too: torch starts one per core in every process
 MAX_FILE_BYTES = 4 << 30
-# One CPU thread for every student process (worker, rank). They compute on small tensors, where a pool of threads per
-# operation costs more than it saves, and several of them at once (the ranks of a launch, a worker beside the grader)
-# each starting a thread per core oversubscribe the machine. Measured in a 2-rank launch, 2,000 tanh(a @ a) of 64 x 64:
-# 0.03 s with one thread against 35 s with sixteen (16-core GPU host), 0.04 s against 0.1-20 s with two (2 cores).
-ONE_THREAD = {"OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "OPENBLAS_NUM_THREADS": "1"}
-
-
-def student_environment() -> dict[str, str]:
-    """The grader's environment without its secrets, with the grader's code importable and one thread per process."""
-    env = {k: v for k, v in os.environ.items() if k not in SECRET_VARIABLES}
-    env.update(ONE_THREAD)
-    env["PYTHONPATH"] = os.pathsep.join([str(REPOSITORY), env.get("PYTHONPATH", "")])
-    return env
-
-
 def limit_resources(address_space_bytes: int | None) -> None:
     """Run in the child before exec: limits inherited by every process the student's code starts."""
     resource.setrlimit(resource.RLIMIT_CORE, (0, 0))

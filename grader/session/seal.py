@@ -15,7 +15,8 @@ import os
 import secrets
 from pathlib import Path
 
-KEY_FILE_VARIABLE = "GRADER_RESULTS_KEY_FILE"
+from grader.sandbox.policy import RESULTS_KEY_FILE_VARIABLE
+
 SIGNATURE_FIELD = "signature"
 NONCE_FIELD = "nonce"
 
@@ -31,7 +32,7 @@ def new_key(path: Path) -> Path:
 
 def take_key() -> bytes | None:
     """The key named by GRADER_RESULTS_KEY_FILE, read once; the variable leaves the environment."""
-    path = os.environ.pop(KEY_FILE_VARIABLE, "")
+    path = os.environ.pop(RESULTS_KEY_FILE_VARIABLE, "")
     return Path(path).read_text().strip().encode() if path.strip() else None
 
 
