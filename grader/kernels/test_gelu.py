@@ -8,10 +8,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.compare import assert_close, assert_contiguous, assert_raises
+from grader.checks.compare import assert_raises
 from grader.checks.marks import bf16_gpu_only, gpu_only
 from grader.checks.profiles import examples
 from grader.checks.strategies import TensorCase, dims, leading_shapes, size_scale, tensor_cases
+from grader.kernels.dtype_cases import check_case
 from grader.kernels.speed_cases import SPEEDS
 from grader.session.context import current
 from grader.speed.grading import grade_speed
@@ -48,25 +49,7 @@ def floor_ulps_of_input_scale(x: torch.Tensor, expected64: torch.Tensor) -> floa
 
 
 def check(student, reference, case: TensorCase) -> None:
-    x = case.make(current().device)
-    with student.describing(case.describe()):
-        reply, (expected64, at_dtype) = student.call_beside(
-            lambda: (reference.gelu_torch(x.double()), reference.gelu(x)), "gelu", x)
-    actual = reply["value"]
-    assert_contiguous(actual, "gelu(x)", case.describe())
-    floor_ulps = floor_ulps_of_input_scale(x.double().cpu(), expected64.cpu())
-    context = case.describe()
-    if floor_ulps != PROBLEM.floor_ulps:
-        context += f"; the floor is {PROBLEM.floor_ulps:g} ulp of max|x|"
-    assert_close(
-        actual,
-        expected64,
-        at_dtype,
-        what="gelu(x)",
-        context=context,
-        multiple=PROBLEM.error_multiple,
-        floor_ulps=floor_ulps,
-    )
+    check_case(student, reference, case, PROBLEM, "gelu", floor_ulps_of_input_scale, "ulp of max|x|")
 
 
 @examples(PROBLEM)

@@ -8,10 +8,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.compare import assert_close, assert_contiguous, assert_raises
+from grader.checks.compare import assert_raises
 from grader.checks.marks import bf16_gpu_only, gpu_only
 from grader.checks.profiles import examples
 from grader.checks.strategies import TensorCase, dims, leading_shapes, long_lengths, size_scale, tensor_cases
+from grader.kernels.dtype_cases import check_case
 from grader.kernels.speed_cases import SPEEDS
 from grader.session.context import current
 from grader.speed.grading import grade_speed
@@ -26,9 +27,9 @@ def row_shapes(max_cols: int, max_rows: int = 12) -> st.SearchStrategy[tuple[int
     return st.tuples(leading_shapes(max_rows), dims(max_cols)).map(lambda parts: (*parts[0], parts[1]))
 
 
-def floor_ulps_of_abs_sums(x64: torch.Tensor, expected64: torch.Tensor, dtype: torch.dtype) -> float:
-    """The registry's floor in float32 ulps of the largest sum of |x| over a row, or in ulps of `dtype` at the
-    largest |row sum| if that is more, expressed in ulps of `dtype` at the largest |row sum| (assert_close's scale).
+def floor_ulps_of_abs_sums(x: torch.Tensor, expected64: torch.Tensor) -> float:
+    """The registry's floor in float32 ulps of the largest sum of |x| over a row, or in ulps of x's dtype at the
+    largest |row sum| if that is more, expressed in ulps of x's dtype at the largest |row sum| (assert_close's scale).
 
     A float32 sum in any order errs by a few float32 eps times the sum of the magnitudes it adds, not of the result:
     a row whose terms cancel (a sum near 0) would otherwise demand that the student add in the reference's order.
@@ -38,31 +39,14 @@ def floor_ulps_of_abs_sums(x64: torch.Tensor, expected64: torch.Tensor, dtype: t
     output_scale = float(expected64.abs().max()) if expected64.numel() else 0.0
     if output_scale == 0.0:
         return PROBLEM.floor_ulps  # every row sums to 0 in float64: no floor is added, whatever its size
-    abs_sum_scale = float(x64.abs().sum(dim=-1).max())
-    float32_ulps = torch.finfo(torch.float32).eps / torch.finfo(dtype).eps
+    abs_sum_scale = float(x.double().cpu().abs().sum(dim=-1).max())
+    float32_ulps = torch.finfo(torch.float32).eps / torch.finfo(x.dtype).eps
     return PROBLEM.floor_ulps * max(1.0, float32_ulps * abs_sum_scale / output_scale)
 
 
 def check(student, reference, case: TensorCase) -> None:
-    x = case.make(current().device)
-    with student.describing(case.describe()):
-        reply, (expected64, at_dtype) = student.call_beside(
-            lambda: (reference.row_sum_torch(x.double()), reference.row_sum(x)), "row_sum", x)
-    actual = reply["value"]
-    assert_contiguous(actual, "row_sum(x)", case.describe())
-    floor_ulps = floor_ulps_of_abs_sums(x.double().cpu(), expected64.cpu(), x.dtype)
-    context = case.describe()
-    if floor_ulps != PROBLEM.floor_ulps:
-        context += f"; the floor is {PROBLEM.floor_ulps:g} float32 ulp of the largest row sum of |x|"
-    assert_close(
-        actual,
-        expected64,
-        at_dtype,
-        what="row_sum(x)",
-        context=context,
-        multiple=PROBLEM.error_multiple,
-        floor_ulps=floor_ulps,
-    )
+    check_case(student, reference, case, PROBLEM, "row_sum", floor_ulps_of_abs_sums,
+               "float32 ulp of the largest row sum of |x|")
 
 
 @examples(PROBLEM)

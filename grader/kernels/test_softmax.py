@@ -8,10 +8,11 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.compare import assert_close, assert_contiguous, assert_raises
+from grader.checks.compare import assert_raises
 from grader.checks.marks import bf16_gpu_only, gpu_only
 from grader.checks.profiles import examples
 from grader.checks.strategies import TensorCase, dims, leading_shapes, long_lengths, size_scale, tensor_cases
+from grader.kernels.dtype_cases import check_case
 from grader.kernels.speed_cases import SPEEDS
 from grader.session.context import current
 from grader.speed.grading import grade_speed
@@ -27,21 +28,7 @@ def row_shapes(max_cols: int, max_rows: int = 12) -> st.SearchStrategy[tuple[int
 
 
 def check(student, reference, case: TensorCase) -> None:
-    x = case.make(current().device)
-    with student.describing(case.describe()):
-        reply, (expected64, at_dtype) = student.call_beside(
-            lambda: (reference.softmax_torch(x.double()), reference.softmax(x)), "softmax", x)
-    actual = reply["value"]
-    assert_contiguous(actual, "softmax(x)", case.describe())
-    assert_close(
-        actual,
-        expected64,
-        at_dtype,
-        what="softmax(x)",
-        context=case.describe(),
-        multiple=PROBLEM.error_multiple,
-        floor_ulps=PROBLEM.floor_ulps,
-    )
+    check_case(student, reference, case, PROBLEM, "softmax")
 
 
 @examples(PROBLEM)

@@ -19,6 +19,7 @@ from grader.checks.compare import assert_equal, assert_raises
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import dims, size_scale
+from grader.moe.routing_checks import dtype_name, returned_fields
 from grader.session.context import current
 
 PROBLEM = BY_ID["moe.capacity"]
@@ -69,7 +70,7 @@ class CapacityCase:
         layout = "transposed" if self.transposed else "contiguous"
         return (
             f"T={self.tokens}, E={self.experts}, k={self.k}, capacity_factor={self.capacity_factor:g}, "
-            f"expert popularity skew={self.skew:g}, gate_TK {str(self.gate_dtype).removeprefix('torch.')}, "
+            f"expert popularity skew={self.skew:g}, gate_TK {dtype_name(self.gate_dtype)}, "
             f"inputs {layout}, seed={self.seed}"
         )
 
@@ -98,12 +99,7 @@ class Dropping:
         self.context = case.describe()
         with student.describing(self.context):
             value = student.call("apply_capacity", *self.arguments)
-        if not isinstance(value, tuple) or len(value) != len(FIELDS):
-            raise WrongAnswer(
-                f"apply_capacity must return a CapacityOutput of {len(FIELDS)} fields, got {value!r:.200} "
-                f"({self.context})"
-            )
-        self.actual = dict(zip(FIELDS, value))
+        self.actual = returned_fields(value, FIELDS, "apply_capacity", self.context, "a CapacityOutput")
         with torch.no_grad():
             self.expected = dict(zip(FIELDS, reference.apply_capacity(*self.arguments)))
 

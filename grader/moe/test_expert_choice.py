@@ -21,19 +21,23 @@ from hypothesis import assume, given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.compare import assert_equal, assert_raises, inputs_if_small
+from grader.checks.compare import assert_raises, inputs_if_small
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import dims, size_scale
-from grader.moe.routing_checks import compare_floating, compare_gradients, router_term_scales
+from grader.moe.routing_checks import (
+    FLOAT32_EPS,
+    TIE_MARGIN_ULPS,
+    RoutingCase,
+    RoutingCheck,
+    dtype_name,
+    low_precision_dtypes,
+    router_term_scales,
+)
 from grader.session.context import current
 
 PROBLEM = BY_ID["moe.expert_choice"]
 FIELDS = ("token_index_EC", "gate_EC", "experts_per_token_T")
-FLOAT32_EPS = torch.finfo(torch.float32).eps
-# Log-probabilities compared by an expert must differ by this many float32 ulps of the larger of the two tokens'
-# uncertainties (see Uncertainty): several times the rounding error of any reasonable float32 computation.
-TIE_MARGIN_ULPS = 16
 # Tokens whose largest probability is within this of 1 are left out: float32 cannot tell such tokens apart.
 SATURATION = 2.0**-10
 # Standard deviations of the logits of Gaussian inputs.
@@ -41,7 +45,6 @@ LOGIT_SCALES = (0.25, 1.0, 4.0)
 # Multiples of 1/4, so that capacity_factor * T / E is computed exactly enough that its floor is unambiguous; the
 # smallest clamp C to 1, the largest to T.
 CAPACITY_FACTORS = (0.25, 0.5, 1.0, 1.25, 2.0, 3.0, 64.0)
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 def uncertainty(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
@@ -52,8 +55,9 @@ def uncertainty(x_TD: torch.Tensor, weight_ED: torch.Tensor) -> torch.Tensor:
 
 
 def choices_are_separated(x_TD: torch.Tensor, weight_ED: torch.Tensor, c: int) -> bool:
-    """Whether every expert's C+1 most probable tokens are clearly ordered (exactly equal probabilities aside: those
-    come from zero tokens, a zero router or a single expert, and every computation gives them the same value)."""
+    """Whether every expert's C+1 most probable tokens are clearly ordered, by TIE_MARGIN_ULPS ulps of the larger of
+    two neighbours' uncertainties (exactly equal probabilities aside: those come from zero tokens, a zero router or
+    a single expert, and every computation gives them the same value)."""
     log_probs_ET = torch.log_softmax(x_TD @ weight_ED.T, dim=-1).T
     top = min(c + 1, x_TD.shape[0])
     sorted_ET, tokens_ET = log_probs_ET.sort(dim=-1, descending=True)
@@ -66,7 +70,7 @@ def choices_are_separated(x_TD: torch.Tensor, weight_ED: torch.Tensor, c: int) -
 
 
 @dataclass(frozen=True)
-class ExpertChoiceCase:
+class ExpertChoiceCase(RoutingCase):
     """One routing problem, built deterministically from its fields: its description is a recipe to reproduce it.
 
     values: "normal" draws 2 T Gaussian tokens and a Gaussian router scaled so that the logits' standard deviation
@@ -91,13 +95,10 @@ class ExpertChoiceCase:
     def exact_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
         """x_TD and router_weight_ED in float64 on the CPU, holding exactly the values the student receives."""
         generator = torch.Generator().manual_seed(self.seed)
-        x_TD = torch.randn(2 * self.tokens, self.width, generator=generator, dtype=torch.float64)
-        weight_ED = torch.randn(self.experts, self.width, generator=generator, dtype=torch.float64)
-        weight_ED = weight_ED * (self.logit_scale / self.width**0.5)
+        x_TD, weight_ED = self.normal_draw(generator)
         if self.values == "zeros":
             weight_ED = torch.zeros_like(weight_ED)
-        x_TD = x_TD.to(self.x_dtype).double()
-        weight_ED = weight_ED.to(self.weight_dtype).double()
+        x_TD, weight_ED = self.as_received(x_TD, weight_ED)
         unsaturated_T = torch.softmax(x_TD @ weight_ED.T, dim=-1).amax(dim=-1) <= 1 - SATURATION
         x_TD = x_TD[unsaturated_T | (self.values == "zeros") | (self.experts == 1)][: self.tokens]
         if self.values == "padding":
@@ -109,13 +110,15 @@ class ExpertChoiceCase:
         """(x_TD, router_weight_ED) in the case's dtypes, layout and device; an example whose choices are nearly
         tied, or that has no token left, is not used."""
         x_TD, weight_ED = self.exact_inputs()
-        assume(x_TD.shape[0] > 0)
-        assume(choices_are_separated(x_TD, weight_ED, self.capacity(x_TD.shape[0])))
-        x_TD, weight_ED = x_TD.to(self.x_dtype), weight_ED.to(self.weight_dtype)
-        if self.transposed:
-            x_TD, weight_ED = x_TD.T.contiguous().T, weight_ED.T.contiguous().T
-        device = current().device
-        return x_TD.to(device), weight_ED.to(device)
+        assume(x_TD.shape[0] > 0 and choices_are_separated(x_TD, weight_ED, self.capacity(x_TD.shape[0])))
+        return self.laid_out_inputs(x_TD, weight_ED)
+
+    @property
+    def x_layout(self) -> str:
+        """Both inputs are transposed views or both contiguous: two of grader.checks.strategies.LAYOUTS."""
+        return "transposed" if self.transposed else "contiguous"
+
+    weight_layout = x_layout
 
     def capacity(self, tokens: int) -> int:
         return min(tokens, max(1, math.floor(self.capacity_factor * tokens / self.experts)))
@@ -130,9 +133,8 @@ class ExpertChoiceCase:
         }[self.values]
         return (
             f"T={x_TD.shape[0]}, D={self.width}, E={self.experts}, capacity_factor={self.capacity_factor:g} "
-            f"(C={self.capacity(x_TD.shape[0])}), values={values}, x_TD {str(self.x_dtype).removeprefix('torch.')}, "
-            f"router_weight_ED {str(self.weight_dtype).removeprefix('torch.')}, "
-            f"{'transposed' if self.transposed else 'contiguous'}, seed={self.seed}"
+            f"(C={self.capacity(x_TD.shape[0])}), values={values}, x_TD {dtype_name(self.x_dtype)}, "
+            f"router_weight_ED {dtype_name(self.weight_dtype)}, {self.x_layout}, seed={self.seed}"
         ) + inputs_if_small(x_TD=x_TD)
 
 
@@ -159,28 +161,18 @@ def expert_choice_cases(
     )
 
 
+class Routing(RoutingCheck):
+    """expert_choice_route on one case."""
 
-
-class Routing:
-    """The student's routing of one case, the fast reference's at the case's dtypes and the plain one's in
-    float64."""
+    problem, function, fields, output = PROBLEM, "expert_choice_route", FIELDS, "an ExpertChoiceOutput"
+    differentiable = ("gate_EC",)
 
     def __init__(self, student, reference, case: ExpertChoiceCase):
-        self.student, self.reference, self.case = student, reference, case
-        self.x_TD, self.weight_ED = case.inputs()
-        self.context = case.describe(self.x_TD)
-        with student.describing(self.context):
-            value = student.call("expert_choice_route", self.x_TD, self.weight_ED, case.capacity_factor)
-        if not isinstance(value, tuple) or len(value) != len(FIELDS):
-            raise WrongAnswer(f"expert_choice_route must return an ExpertChoiceOutput of {len(FIELDS)} fields, got "
-                              f"{value!r:.200} ({self.context})")
-        self.actual = dict(zip(FIELDS, value))
-        with torch.no_grad():
-            self.at_dtype = dict(zip(FIELDS, reference.expert_choice_route(self.x_TD, self.weight_ED,
-                                                                           case.capacity_factor)))
-            self.exact = dict(zip(FIELDS, reference.expert_choice_route_torch(
-                self.x_TD.double(), self.weight_ED.double(), case.capacity_factor)))
+        super().__init__(student, reference, case)
         self.uncertainty_T = uncertainty(self.x_TD.double().cpu(), self.weight_ED.double().cpu())
+
+    def options(self) -> tuple:
+        return (self.case.capacity_factor,)
 
     def check_capacity(self) -> None:
         """The number of tokens per expert, C, said as such rather than as a shape mismatch."""
@@ -194,37 +186,10 @@ class Routing:
                 f" ({self.context})"
             )
 
-    def check_equal(self, name: str) -> None:
-        assert_equal(self.actual[name], self.at_dtype[name], what=name, context=self.context)
-
     def check_gates(self) -> None:
-        floor_scale = float(self.exact["gate_EC"].abs().max()) * float(self.uncertainty_T.max())
-        compare_floating(self.actual["gate_EC"], self.exact["gate_EC"], self.at_dtype["gate_EC"], floor_scale,
-                         PROBLEM, "gate_EC", self.context)
+        self.check_floating("gate_EC", float(self.exact["gate_EC"].abs().max()) * float(self.uncertainty_T.max()))
 
-    def check_gradients(self) -> None:
-        generator = torch.Generator().manual_seed(self.case.seed + 1)
-        shape = self.exact["gate_EC"].shape
-        upstream_EC = torch.randn(shape, generator=generator, dtype=torch.float64).float().to(current().device)
-        grad = {"inputs": [0, 1], "upstream": [None, upstream_EC, None]}
-        with self.student.describing(self.context):
-            actual = self.student.call_traced("expert_choice_route", self.x_TD, self.weight_ED,
-                                              self.case.capacity_factor, grad=grad)["grads"]
-        exact = self.reference_gradients(self.reference.expert_choice_route_torch, self.x_TD.double(),
-                                         self.weight_ED.double(), upstream_EC)
-        at_dtype = self.reference_gradients(self.reference.expert_choice_route, self.x_TD, self.weight_ED,
-                                            upstream_EC)
-        compare_gradients(actual, exact, at_dtype, ("x_TD", "router_weight_ED"), self.gradient_term_scales(upstream_EC),
-                          PROBLEM, " from gate_EC", self.context)
-
-    def reference_gradients(self, route, x_TD, weight_ED, upstream_EC):
-        x_TD = x_TD.detach().requires_grad_(True)
-        weight_ED = weight_ED.detach().requires_grad_(True)
-        gate_EC = route(x_TD, weight_ED, self.case.capacity_factor).gate_EC
-        gate_EC.backward(upstream_EC.to(gate_EC.dtype))
-        return x_TD.grad, weight_ED.grad
-
-    def gradient_term_scales(self, upstream_EC: torch.Tensor) -> tuple[float, float]:
+    def gradient_term_scales(self, field: str, upstream_EC: torch.Tensor) -> tuple[float, float]:
         """How large the terms are that a backward pass sums into each input's gradient: token t's share is about
         the upstream gradient reaching its chosen probabilities, G_t, each term uncertain by about U_t ulps."""
         tokens = self.x_TD.shape[0]
@@ -271,11 +236,6 @@ def test_experts_per_token(student, reference, case):
 @given(case=expert_choice_cases())
 def test_gradients(student, reference, case):
     Routing(student, reference, case).check_gradients()
-
-
-low_precision_dtypes = st.tuples(
-    st.sampled_from(LOW_PRECISION), st.sampled_from((*LOW_PRECISION, torch.float32))
-).flatmap(lambda pair: st.sampled_from((pair, pair[::-1])))
 
 
 @examples(PROBLEM, 0.5)

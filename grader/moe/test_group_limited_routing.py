@@ -13,23 +13,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, example, given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.compare import assert_equal, assert_raises, inputs_if_small
+from grader.checks.compare import assert_raises, inputs_if_small
 from grader.checks.profiles import examples
 from grader.checks.strategies import LAYOUTS, dims, size_scale
-from grader.moe.routing_checks import (
-    clearly_ordered,
-    compare_floating,
-    compare_gradients,
-    dtype_name,
-    laid_out,
-    reference_gradients,
-    returned_fields,
-    router_term_scales,
-)
+from grader.moe.routing_checks import RoutingCase, SigmoidGating, clearly_ordered
 from grader.session.context import current
 
 PROBLEM = BY_ID["moe.group_limited_routing"]
@@ -47,7 +38,7 @@ def group_scores(affinity_TE: torch.Tensor, num_groups: int) -> torch.Tensor:
 
 
 @dataclass(frozen=True)
-class GroupCase:
+class GroupCase(RoutingCase):
     """One routing problem, built deterministically from its fields: its description is a recipe to reproduce it.
 
     values: "normal" draws Gaussian x and weight (logits of standard deviation logit_scale) and keeps the first
@@ -82,14 +73,11 @@ class GroupCase:
         """x_TD and router_weight_ED in float64, holding exactly the values the student receives."""
         generator = torch.Generator().manual_seed(self.seed)
         if self.values == "normal":
-            x_TD = torch.randn(2 * self.tokens, self.width, generator=generator, dtype=torch.float64)
-            weight_ED = torch.randn(self.experts, self.width, generator=generator, dtype=torch.float64)
-            weight_ED = weight_ED * (self.logit_scale / self.width**0.5)
+            x_TD, weight_ED = self.normal_draw(generator)
         else:
             x_TD = torch.randint(0, 4, (self.tokens, self.experts), generator=generator).double() + self.x_offset
             weight_ED = torch.eye(self.experts, dtype=torch.float64)
-        x_TD = x_TD.to(self.x_dtype).double()
-        weight_ED = weight_ED.to(self.weight_dtype).double()
+        x_TD, weight_ED = self.as_received(x_TD, weight_ED)
         if self.values == "normal":
             affinity_TE = torch.sigmoid(x_TD @ weight_ED.T)
             # A float32 affinity is off by about (max_e sum_d |x_d w_ed| + 1) ulps; a group score by twice that.
@@ -104,27 +92,16 @@ class GroupCase:
             x_TD = x_TD[groups_clear_T & experts_clear_T][: self.tokens]
         return x_TD, weight_ED
 
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x_TD, router_weight_ED) in the case's dtypes, layouts and device; an example with no token is dropped."""
-        x_TD, weight_ED = self.exact_inputs()
-        assume(x_TD.shape[0] > 0)
-        device = current().device
-        return (
-            laid_out(x_TD.to(self.x_dtype), self.x_layout).to(device),
-            laid_out(weight_ED.to(self.weight_dtype), self.weight_layout).to(device),
-        )
-
     def describe(self, x_TD: torch.Tensor) -> str:
         values = self.values
         if values == "normal":
-            values = f"normal with logit scale {self.logit_scale:g}, of {2 * self.tokens} tokens those not nearly tied"
+            values = self.normal_described()
         elif self.x_offset:
             values = f"identity, x_TD in [{self.x_offset}, {self.x_offset + 3}]"
         return (
             f"T={x_TD.shape[0]}, D={self.width}, E={self.experts} in G={self.num_groups} groups of "
             f"S={self.group_size}, M={self.groups_per_token}, k={self.k}, route_scale={self.route_scale:g}, "
-            f"values={values}, x_TD {dtype_name(self.x_dtype)} {self.x_layout}, "
-            f"router_weight_ED {dtype_name(self.weight_dtype)} {self.weight_layout}, seed={self.seed}"
+            f"values={values}, {self.layouts_described()}, seed={self.seed}"
         ) + inputs_if_small(x_TD=x_TD)
 
 
@@ -153,56 +130,13 @@ def group_cases(draw, values: str = "normal") -> GroupCase:
     )
 
 
-class Routing:
-    """The student's routing of one case, the fast reference's at the case's dtypes (whose integer outputs must be
-    matched exactly and whose float32 error calibrates the tolerances) and the plain reference's in float64.
+class Routing(SigmoidGating):
+    """group_limited_route on one case."""
 
-    Floors: a float32 logit is exact only to a few ulps of max_e sum_d |x_d w_ed| =: U_t, so an affinity is
-    relatively uncertain by about U_t + 1 ulps, and so is every gate, whatever the algorithm.
-    """
+    problem, function, fields = PROBLEM, "group_limited_route", FIELDS
 
-    def __init__(self, student, reference, case: GroupCase):
-        self.student, self.reference, self.case = student, reference, case
-        self.x_TD, self.weight_ED = case.inputs()
-        self.context = case.describe(self.x_TD)
-        self.args = (self.x_TD, self.weight_ED, case.num_groups, case.groups_per_token, case.k, case.route_scale)
-        with student.describing(self.context):
-            value = student.call("group_limited_route", *self.args)
-        self.actual = returned_fields(value, FIELDS, "group_limited_route", self.context)
-        with torch.no_grad():
-            self.at_dtype = dict(zip(FIELDS, reference.group_limited_route(*self.args)))
-            self.exact = dict(zip(FIELDS, reference.group_limited_route_torch(*self.exact_args())))
-        x64, weight64 = self.x_TD.double().cpu(), self.weight_ED.double().cpu()
-        self.uncertainty_T = 1 + (x64.abs() @ weight64.abs().T).amax(dim=-1)
-
-    def exact_args(self) -> tuple:
-        return (self.x_TD.double(), self.weight_ED.double(), *self.args[2:])
-
-    def check_equal(self, name: str) -> None:
-        assert_equal(self.actual[name], self.at_dtype[name], what=name, context=self.context)
-
-    def check_gates(self) -> None:
-        floor_scale = self.case.route_scale * float(self.uncertainty_T.max())
-        compare_floating(self.actual["gate_TK"], self.exact["gate_TK"], self.at_dtype["gate_TK"], floor_scale,
-                         PROBLEM, "gate_TK", self.context)
-
-    def check_gradients(self) -> None:
-        generator = torch.Generator().manual_seed(self.case.seed + 1)
-        upstream = torch.randn(self.exact["gate_TK"].shape, generator=generator, dtype=torch.float64).float()
-        upstream = upstream.to(current().device)
-        grad = {"inputs": [0, 1], "upstream": [None, None, upstream]}
-        with self.student.describing(self.context):
-            actual = self.student.call_traced("group_limited_route", *self.args, grad=grad)["grads"]
-        gate_field = FIELDS.index("gate_TK")
-        exact = reference_gradients(self.reference.group_limited_route_torch, self.exact_args(), (0, 1), gate_field,
-                                    upstream)
-        at_dtype = reference_gradients(self.reference.group_limited_route, self.args, (0, 1), gate_field, upstream)
-        # Per token, the backward pass sums terms of about route_scale * |upstream| into each logit, each
-        # uncertain by U_t ulps, then multiplies them by the other operand of the logit's product.
-        per_token_T = self.case.route_scale * upstream.double().cpu().abs().sum(dim=-1) * self.uncertainty_T
-        term_scales = router_term_scales(per_token_T, self.x_TD, self.weight_ED)
-        compare_gradients(actual, exact, at_dtype, ("x_TD", "router_weight_ED"), term_scales, PROBLEM, " from gate_TK",
-                          self.context)
+    def options(self) -> tuple:
+        return (self.case.num_groups, self.case.groups_per_token, self.case.k, self.case.route_scale)
 
 
 @examples(PROBLEM)

@@ -12,27 +12,18 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.compare import assert_equal, assert_raises, inputs_if_small
+from grader.checks.compare import assert_raises, inputs_if_small
 from grader.checks.profiles import examples
 from grader.checks.strategies import LAYOUTS, dims, size_scale
-from grader.moe.routing_checks import (
-    clearly_ordered,
-    compare_floating,
-    compare_gradients,
-    dtype_name,
-    laid_out,
-    reference_gradients,
-    returned_fields,
-)
+from grader.moe.routing_checks import RoutingCase, RoutingCheck, clearly_ordered, dtype_name
 from grader.session.context import current
 
 PROBLEM = BY_ID["moe.noisy_topk"]
 FIELDS = ("expert_index_TK", "gate_TK", "noisy_logits_TE")
-DIFFERENTIABLE = ("gate_TK", "noisy_logits_TE")
 WEIGHTS = ("x_TD", "gate_weight_ED", "noise_weight_ED")
 # Standard deviations of the clean logits, and of the noise weights' products (softplus of about N(0, s^2) sets
 # the noise's size): routing from nearly uniform to nearly decided, noise from small to dominant.
@@ -42,7 +33,7 @@ DTYPES = (torch.float32, torch.float32, torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
-class NoisyCase:
+class NoisyCase(RoutingCase):
     """One routing problem, built deterministically from its fields: its description is a recipe to reproduce it.
 
     values: "normal" draws Gaussian x, weights and noise, and keeps the first `tokens` of twice as many drawn tokens
@@ -68,22 +59,13 @@ class NoisyCase:
     def exact_inputs(self) -> tuple[torch.Tensor, ...]:
         """x_TD, gate_weight_ED, noise_weight_ED and noise_TE in float64, holding exactly the student's values."""
         generator = torch.Generator().manual_seed(self.seed)
-        drawn = 2 * self.tokens if self.values == "normal" else self.tokens
-        shape_ED = (self.experts, self.width)
-        if self.values == "normal":
-            x_TD = torch.randn(drawn, self.width, generator=generator, dtype=torch.float64)
-            gate_ED = torch.randn(shape_ED, generator=generator, dtype=torch.float64) * (
-                self.logit_scale / self.width**0.5)
-        else:
-            x_TD = torch.randint(-2, 3, (drawn, self.width), generator=generator).double()
-            gate_ED = torch.randint(-1, 2, shape_ED, generator=generator).double()
-        noise_weight_ED = torch.randn(shape_ED, generator=generator, dtype=torch.float64) * (
+        x_TD, gate_ED = self.normal_draw(generator) if self.values == "normal" else self.integer_draw(generator)
+        noise_weight_ED = torch.randn(self.experts, self.width, generator=generator, dtype=torch.float64) * (
             self.noise_scale / self.width**0.5)
-        noise_TE = torch.randn(drawn, self.experts, generator=generator, dtype=torch.float64).float().double()
+        noise_TE = torch.randn(x_TD.shape[0], self.experts, generator=generator, dtype=torch.float64).float().double()
         if self.values == "integers" and self.training:
             noise_TE.zero_()
-        x_TD = x_TD.to(self.x_dtype).double()
-        gate_ED, noise_weight_ED = (w.to(self.weight_dtype).double() for w in (gate_ED, noise_weight_ED))
+        x_TD, gate_ED, noise_weight_ED = self.as_received(x_TD, gate_ED, noise_weight_ED)
         if self.values == "normal":
             logits_TE, uncertainty_T = self.logits_and_uncertainty(x_TD, gate_ED, noise_weight_ED, noise_TE)
             clear_T = clearly_ordered(logits_TE, self.k, uncertainty_T)
@@ -105,26 +87,18 @@ class NoisyCase:
     def inputs(self) -> tuple[torch.Tensor, ...]:
         """The four tensors in the case's dtypes, layouts and device; an example with no token is dropped."""
         x_TD, gate_ED, noise_weight_ED, noise_TE = self.exact_inputs()
-        assume(x_TD.shape[0] > 0)
-        device = current().device
-        return (
-            laid_out(x_TD.to(self.x_dtype), self.x_layout).to(device),
-            laid_out(gate_ED.to(self.weight_dtype), self.weight_layout).to(device),
-            laid_out(noise_weight_ED.to(self.weight_dtype), self.weight_layout).to(device),
-            noise_TE.float().to(device),
-        )
+        return (*self.laid_out_inputs(x_TD, gate_ED, noise_weight_ED), noise_TE.float().to(current().device))
 
     def describe(self, x_TD: torch.Tensor) -> str:
         values = self.values
         if values == "normal":
-            values = (f"normal with logit scale {self.logit_scale:g} and noise scale {self.noise_scale:g}, of "
-                      f"{2 * self.tokens} tokens those not nearly tied")
+            values = self.normal_described(f" and noise scale {self.noise_scale:g}")
         elif self.training:
             values = "integers, zero noise"
         return (
             f"T={x_TD.shape[0]}, D={self.width}, E={self.experts}, k={self.k}, training={self.training}, "
-            f"values={values}, x_TD {dtype_name(self.x_dtype)} {self.x_layout}, gate_weight_ED and noise_weight_ED "
-            f"{dtype_name(self.weight_dtype)} {self.weight_layout}, noise_TE float32, seed={self.seed}"
+            f"values={values}, {self.layouts_described('gate_weight_ED and noise_weight_ED')}, noise_TE float32, "
+            f"seed={self.seed}"
         ) + inputs_if_small(x_TD=x_TD)
 
 
@@ -149,54 +123,31 @@ def noisy_cases(draw, training: st.SearchStrategy[bool] = st.booleans(), values:
     )
 
 
-class Routing:
-    """The student's routing of one case, the fast reference's at the case's dtypes (whose chosen experts must be
-    matched exactly and whose float32 error calibrates the tolerances) and the plain reference's in float64.
+class Routing(RoutingCheck):
+    """noisy_topk_route on one case; in evaluation, where the noise weight is unused, its gradient is not checked.
 
     Floors: a float32 noisy logit is exact only to a few ulps of U_t (see NoisyCase.logits_and_uncertainty), and a
     gate, a softmax of such logits, to about U_t ulps of itself, whatever the algorithm.
     """
 
+    problem, function, fields, input_names = PROBLEM, "noisy_topk_route", FIELDS, WEIGHTS
+    differentiable = ("gate_TK", "noisy_logits_TE")
+
     def __init__(self, student, reference, case: NoisyCase):
-        self.student, self.reference, self.case = student, reference, case
-        self.tensors = case.inputs()
-        self.context = case.describe(self.tensors[0])
-        self.args = (*self.tensors, case.k, case.training)
-        with student.describing(self.context):
-            value = student.call("noisy_topk_route", *self.args)
-        self.actual = returned_fields(value, FIELDS, "noisy_topk_route", self.context)
-        with torch.no_grad():
-            self.at_dtype = dict(zip(FIELDS, reference.noisy_topk_route(*self.args)))
-            self.exact = dict(zip(FIELDS, reference.noisy_topk_route_torch(*self.exact_args())))
+        super().__init__(student, reference, case)
         self.exact64 = [t.double().cpu() for t in self.tensors]
         self.uncertainty_T = case.logits_and_uncertainty(*self.exact64)[1]
 
-    def exact_args(self) -> tuple:
-        return (*(t.double() for t in self.tensors), self.case.k, self.case.training)
+    def options(self) -> tuple:
+        return (self.case.k, self.case.training)
 
-    def check_equal(self, name: str) -> None:
-        assert_equal(self.actual[name], self.at_dtype[name], what=name, context=self.context)
+    def wrt(self) -> tuple[int, ...]:
+        return (0, 1, 2) if self.case.training else (0, 1)
 
     def check_close(self, name: str) -> None:
-        floor_scale = float(self.uncertainty_T.max())
-        compare_floating(self.actual[name], self.exact[name], self.at_dtype[name], floor_scale, PROBLEM, name,
-                         self.context)
+        self.check_floating(name, float(self.uncertainty_T.max()))
 
-    def check_gradients(self) -> None:
-        """Backpropagate a random upstream gradient from each differentiable output in turn."""
-        generator = torch.Generator().manual_seed(self.case.seed + 1)
-        for field in DIFFERENTIABLE:
-            upstream = torch.randn(self.exact[field].shape, generator=generator, dtype=torch.float64).float()
-            self.check_gradients_from(field, upstream.to(current().device))
-
-    def check_gradients_from(self, field: str, upstream: torch.Tensor) -> None:
-        wrt = (0, 1, 2) if self.case.training else (0, 1)
-        grad = {"inputs": list(wrt), "upstream": [upstream if name == field else None for name in FIELDS]}
-        with self.student.describing(self.context):
-            actual = self.student.call_traced("noisy_topk_route", *self.args, grad=grad)["grads"]
-        index = FIELDS.index(field)
-        exact = reference_gradients(self.reference.noisy_topk_route_torch, self.exact_args(), wrt, index, upstream)
-        at_dtype = reference_gradients(self.reference.noisy_topk_route, self.args, wrt, index, upstream)
+    def gradient_term_scales(self, field: str, upstream: torch.Tensor) -> tuple[float, float, float]:
         # Per token, the backward pass sums terms of about |upstream| into each logit (times U_t ulps of
         # uncertainty through a softmax), then multiplies them by the other operands of the logit's products.
         x_TD, gate_ED, noise_weight_ED, noise_TE = self.exact64
@@ -206,9 +157,7 @@ class Routing:
         noise_size = float(noise_TE.abs().max()) if self.case.training else 0.0
         weights_D = gate_ED.abs().amax(dim=0) + noise_size * noise_weight_ED.abs().amax(dim=0)
         weight_scale = float((per_token_T @ x_TD.abs()).max()) * (1 + noise_size)
-        term_scales = (float((per_token_T[:, None] * weights_D).max()), weight_scale, weight_scale)
-        compare_gradients(actual, exact, at_dtype, tuple(WEIGHTS[i] for i in wrt), tuple(term_scales[i] for i in wrt),
-                          PROBLEM, f" from {field}", self.context)
+        return (float((per_token_T[:, None] * weights_D).max()), weight_scale, weight_scale)
 
 
 @examples(PROBLEM)

@@ -13,30 +13,30 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, given
+from hypothesis import given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.compare import assert_equal, assert_raises, inputs_if_small
-from grader.checks.outcomes import WrongAnswer
+from grader.checks.compare import assert_raises, inputs_if_small
 from grader.checks.profiles import examples
 from grader.checks.strategies import LAYOUTS, dims, size_scale
-from grader.moe.routing_checks import compare_floating, compare_gradients, laid_out, router_term_scales, separated_rows
+from grader.moe.routing_checks import (
+    RoutingCase,
+    RoutingCheck,
+    low_precision_dtypes,
+    router_term_scales,
+    separated_rows,
+)
 from grader.session.context import current
 
 PROBLEM = BY_ID["moe.router"]
 FIELDS = ("expert_index_TK", "gate_TK", "tokens_per_expert_E", "balance_loss", "z_loss")
-DIFFERENTIABLE = ("gate_TK", "balance_loss", "z_loss")
-FLOAT32_EPS = torch.finfo(torch.float32).eps
 # Standard deviations of the logits of Gaussian inputs: nearly uniform routing up to nearly one-hot routing.
 LOGIT_SCALES = (0.25, 1.0, 4.0, 16.0)
-LOW_PRECISION = (torch.bfloat16, torch.float16)
-
-
 
 
 @dataclass(frozen=True)
-class RouterCase:
+class RouterCase(RoutingCase):
     """One routing problem, built deterministically from its fields: its description is a recipe to reproduce it.
 
     values: "normal" draws Gaussian x and weight, the weight scaled so that the logits' standard deviation is
@@ -62,39 +62,22 @@ class RouterCase:
         """x_TD and router_weight_ED in float64, holding exactly the values the student receives."""
         generator = torch.Generator().manual_seed(self.seed)
         if self.values == "normal":
-            x_TD = torch.randn(2 * self.tokens, self.width, generator=generator, dtype=torch.float64)
-            weight_ED = torch.randn(self.experts, self.width, generator=generator, dtype=torch.float64)
-            weight_ED = weight_ED * (self.logit_scale / self.width**0.5)
+            x_TD, weight_ED = self.normal_draw(generator)
         elif self.values == "integers":
-            x_TD = torch.randint(-2, 3, (self.tokens, self.width), generator=generator).double()
-            weight_ED = torch.randint(-1, 2, (self.experts, self.width), generator=generator).double()
+            x_TD, weight_ED = self.integer_draw(generator)
         else:
             x_TD = torch.randint(0, 3, (self.tokens, self.width), generator=generator).double()
             weight_ED = torch.eye(self.experts, self.width, dtype=torch.float64)
-        x_TD = x_TD.to(self.x_dtype).double()
-        weight_ED = weight_ED.to(self.weight_dtype).double()
+        x_TD, weight_ED = self.as_received(x_TD, weight_ED)
         if self.values == "normal":
             x_TD = x_TD[separated_rows(x_TD, weight_ED, self.k)][: self.tokens]
         return x_TD, weight_ED
 
-    def inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(x_TD, router_weight_ED) in the case's dtypes, layouts and device; an example with no token is dropped."""
-        x_TD, weight_ED = self.exact_inputs()
-        assume(x_TD.shape[0] > 0)
-        device = current().device
-        return (
-            laid_out(x_TD.to(self.x_dtype), self.x_layout).to(device),
-            laid_out(weight_ED.to(self.weight_dtype), self.weight_layout).to(device),
-        )
-
     def describe(self, x_TD: torch.Tensor) -> str:
-        values = self.values
-        if values == "normal":
-            values = f"normal with logit scale {self.logit_scale:g}, of {2 * self.tokens} tokens those not nearly tied"
+        values = self.normal_described() if self.values == "normal" else self.values
         return (
             f"T={x_TD.shape[0]}, D={self.width}, E={self.experts}, k={self.k}, normalize_topk={self.normalize_topk}, "
-            f"values={values}, x_TD {str(self.x_dtype).removeprefix('torch.')} {self.x_layout}, "
-            f"router_weight_ED {str(self.weight_dtype).removeprefix('torch.')} {self.weight_layout}, seed={self.seed}"
+            f"values={values}, {self.layouts_described()}, seed={self.seed}"
         ) + inputs_if_small(x_TD=x_TD)
 
 
@@ -127,24 +110,6 @@ def router_cases(
         logit_scale=draw(st.sampled_from(LOGIT_SCALES)),
         seed=draw(st.integers(0, 2**31 - 1)),
     )
-
-
-def fields(value, context: str) -> dict:
-    """The student's RouterOutput (a plain tuple once it has left the worker) by field name."""
-    if not isinstance(value, tuple) or len(value) != len(FIELDS):
-        raise WrongAnswer(
-            f"topk_route must return a RouterOutput of {len(FIELDS)} fields, got {value!r:.200} ({context})"
-        )
-    return dict(zip(FIELDS, value))
-
-
-def reference_gradients(route, x_TD, weight_ED, case: RouterCase, field: str, upstream: torch.Tensor):
-    """Gradients of (x_TD, weight_ED) when `field` of route(...) receives `upstream`."""
-    x_TD = x_TD.detach().requires_grad_(True)
-    weight_ED = weight_ED.detach().requires_grad_(True)
-    output = dict(zip(FIELDS, route(x_TD, weight_ED, case.k, case.normalize_topk)))[field]
-    output.backward(upstream.to(output.dtype))
-    return x_TD.grad, weight_ED.grad
 
 
 class Sensitivity:
@@ -197,54 +162,24 @@ class Sensitivity:
         return router_term_scales(per_token_T * (1 + self.uncertainty_T), self.x_TD, self.weight_ED)
 
 
+class Routing(RoutingCheck):
+    """topk_route on one case, its floors set by Sensitivity."""
 
-
-class Routing:
-    """The student's routing of one case, the fast reference's at the case's dtypes (whose integer outputs must be
-    matched exactly and whose float32 error calibrates the tolerances) and the plain reference's in float64."""
+    problem, function, fields, output = PROBLEM, "topk_route", FIELDS, "a RouterOutput"
+    differentiable = ("gate_TK", "balance_loss", "z_loss")
 
     def __init__(self, student, reference, case: RouterCase):
-        self.student, self.reference, self.case = student, reference, case
-        self.x_TD, self.weight_ED = case.inputs()
-        self.context = case.describe(self.x_TD)
-        arguments = (case.k, case.normalize_topk)
-        with student.describing(self.context):
-            self.actual = fields(student.call("topk_route", self.x_TD, self.weight_ED, *arguments), self.context)
-        with torch.no_grad():
-            self.at_dtype = dict(zip(FIELDS, reference.topk_route(self.x_TD, self.weight_ED, *arguments)))
-            self.exact = dict(zip(FIELDS, reference.topk_route_torch(self.x_TD.double(), self.weight_ED.double(),
-                                                                      *arguments)))
+        super().__init__(student, reference, case)
         self.sensitivity = Sensitivity(self.x_TD, self.weight_ED, case, self.exact)
 
-    def check_equal(self, name: str) -> None:
-        assert_equal(self.actual[name], self.at_dtype[name], what=name, context=self.context)
+    def options(self) -> tuple:
+        return (self.case.k, self.case.normalize_topk)
 
     def check_close(self, name: str) -> None:
-        compare_floating(self.actual[name], self.exact[name], self.at_dtype[name],
-                         self.sensitivity.floor_scale(name), PROBLEM, name, self.context)
+        self.check_floating(name, self.sensitivity.floor_scale(name))
 
-    def check_gradients(self) -> None:
-        """Backpropagate a random upstream gradient from each differentiable output in turn: a gradient too small to
-        notice beside the others' still has to be right."""
-        generator = torch.Generator().manual_seed(self.case.seed + 1)
-        device = current().device
-        for field in DIFFERENTIABLE:
-            shape = self.exact[field].shape
-            upstream = torch.randn(shape, generator=generator, dtype=torch.float64).float().to(device)
-            self.check_gradients_from(field, upstream)
-
-    def check_gradients_from(self, field: str, upstream: torch.Tensor) -> None:
-        grad = {"inputs": [0, 1], "upstream": [upstream if name == field else None for name in FIELDS]}
-        with self.student.describing(self.context):
-            actual = self.student.call_traced(
-                "topk_route", self.x_TD, self.weight_ED, self.case.k, self.case.normalize_topk, grad=grad
-            )["grads"]
-        exact = reference_gradients(self.reference.topk_route_torch, self.x_TD.double(), self.weight_ED.double(),
-                                    self.case, field, upstream)
-        at_dtype = reference_gradients(self.reference.topk_route, self.x_TD, self.weight_ED, self.case, field, upstream)
-        term_scales = self.sensitivity.gradient_term_scales(field, upstream)
-        compare_gradients(actual, exact, at_dtype, ("x_TD", "router_weight_ED"), term_scales, PROBLEM, f" from {field}",
-                          self.context)
+    def gradient_term_scales(self, field: str, upstream: torch.Tensor) -> tuple[float, float]:
+        return self.sensitivity.gradient_term_scales(field, upstream)
 
 
 @examples(PROBLEM)
@@ -280,11 +215,6 @@ def test_losses(student, reference, case):
 @given(case=router_cases())
 def test_gradients(student, reference, case):
     Routing(student, reference, case).check_gradients()
-
-
-low_precision_dtypes = st.tuples(
-    st.sampled_from(LOW_PRECISION), st.sampled_from((*LOW_PRECISION, torch.float32))
-).flatmap(lambda pair: st.sampled_from((pair, pair[::-1])))
 
 
 @examples(PROBLEM)

@@ -21,6 +21,7 @@ from grader.checks.compare import assert_close, assert_raises, check_tensor_form
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import dims, size_scale
+from grader.moe.routing_checks import LOW_PRECISION, dtype_name
 from grader.session.context import current
 
 PROBLEM = BY_ID["moe.sequence_balance_loss"]
@@ -31,7 +32,6 @@ LOGIT_SCALES = (0.5, 2.0, 8.0)
 # collapsed: every token of a sequence on the same k experts; even: every expert gets T k / E slots per sequence.
 ROUTINGS = ("biased_topk", "collapsed")
 LAYOUTS = ("contiguous", "transposed", "sliced")
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
@@ -91,7 +91,7 @@ class SequenceCase:
         return (
             f"B={self.batch}, T={self.sequence_length}, E={self.experts}, k={self.k}, alpha={self.alpha:g}, "
             f"routing={self.routing}, logit scale {self.logit_scale:g}, affinity_logits_BTE "
-            f"{str(self.dtype).removeprefix('torch.')} {self.layout}, seed={self.seed}"
+            f"{dtype_name(self.dtype)} {self.layout}, seed={self.seed}"
         )
 
 

@@ -12,23 +12,14 @@ from dataclasses import dataclass
 
 import pytest
 import torch
-from hypothesis import assume, example, given
+from hypothesis import example, given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.compare import assert_equal, assert_raises, inputs_if_small
+from grader.checks.compare import assert_raises, inputs_if_small
 from grader.checks.profiles import examples
 from grader.checks.strategies import LAYOUTS, dims, size_scale
-from grader.moe.routing_checks import (
-    clearly_ordered,
-    compare_floating,
-    compare_gradients,
-    dtype_name,
-    laid_out,
-    reference_gradients,
-    returned_fields,
-    router_term_scales,
-)
+from grader.moe.routing_checks import RoutingCase, SigmoidGating, clearly_ordered, low_precision_dtypes
 from grader.session.context import current
 
 PROBLEM = BY_ID["moe.sigmoid_router"]
@@ -38,11 +29,10 @@ LOGIT_SCALES = (0.25, 1.0, 4.0, 12.0)
 # Standard deviations of the bias: none, a nudge, one that often overrides the affinities.
 BIAS_STDS = (0.0, 0.02, 0.3)
 ROUTE_SCALES = (1.0, 2.5, 0.125)
-LOW_PRECISION = (torch.bfloat16, torch.float16)
 
 
 @dataclass(frozen=True)
-class SigmoidCase:
+class SigmoidCase(RoutingCase):
     """One routing problem, built deterministically from its fields: its description is a recipe to reproduce it.
 
     values: "normal" draws Gaussian x and weight (logits of standard deviation logit_scale) and a Gaussian bias of
@@ -71,17 +61,13 @@ class SigmoidCase:
         """x_TD, router_weight_ED and expert_bias_E in float64, holding exactly the values the student receives."""
         generator = torch.Generator().manual_seed(self.seed)
         if self.values == "normal":
-            x_TD = torch.randn(2 * self.tokens, self.width, generator=generator, dtype=torch.float64)
-            weight_ED = torch.randn(self.experts, self.width, generator=generator, dtype=torch.float64)
-            weight_ED = weight_ED * (self.logit_scale / self.width**0.5)
+            x_TD, weight_ED = self.normal_draw(generator)
             bias_E = torch.randn(self.experts, generator=generator, dtype=torch.float64) * self.bias_std
         else:
-            x_TD = torch.randint(-2, 3, (self.tokens, self.width), generator=generator).double()
-            weight_ED = torch.randint(-1, 2, (self.experts, self.width), generator=generator).double()
+            x_TD, weight_ED = self.integer_draw(generator)
             weight_ED = weight_ED * (1000 if self.values == "saturated" else 1)
             bias_E = torch.randint(-1, 2, (self.experts,), generator=generator).double() * (self.bias_std > 0)
-        x_TD = x_TD.to(self.x_dtype).double()
-        weight_ED = weight_ED.to(self.weight_dtype).double()
+        x_TD, weight_ED = self.as_received(x_TD, weight_ED)
         bias_E = bias_E.float().double()
         if self.values == "normal":
             logits_TE = x_TD @ weight_ED.T
@@ -92,13 +78,7 @@ class SigmoidCase:
     def inputs(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The three tensors in the case's dtypes, layouts and device; an example with no token is dropped."""
         x_TD, weight_ED, bias_E = self.exact_inputs()
-        assume(x_TD.shape[0] > 0)
-        device = current().device
-        return (
-            laid_out(x_TD.to(self.x_dtype), self.x_layout).to(device),
-            laid_out(weight_ED.to(self.weight_dtype), self.weight_layout).to(device),
-            bias_E.float().to(device),
-        )
+        return (*self.laid_out_inputs(x_TD, weight_ED), bias_E.float().to(current().device))
 
     def route_scale_described(self) -> str:
         return "route_scale left at its default" if self.route_scale == 1.0 else f"route_scale={self.route_scale:g}"
@@ -106,15 +86,12 @@ class SigmoidCase:
     def describe(self, x_TD: torch.Tensor) -> str:
         values = self.values
         if values == "normal":
-            values = (f"normal with logit scale {self.logit_scale:g} and bias std {self.bias_std:g}, of "
-                      f"{2 * self.tokens} tokens those not nearly tied")
+            values = self.normal_described(f" and bias std {self.bias_std:g}")
         elif self.bias_std == 0:
             values = f"{values}, zero bias"
         return (
             f"T={x_TD.shape[0]}, D={self.width}, E={self.experts}, k={self.k}, {self.route_scale_described()}, "
-            f"values={values}, x_TD {dtype_name(self.x_dtype)} {self.x_layout}, "
-            f"router_weight_ED {dtype_name(self.weight_dtype)} {self.weight_layout}, expert_bias_E float32, "
-            f"seed={self.seed}"
+            f"values={values}, {self.layouts_described()}, expert_bias_E float32, seed={self.seed}"
         ) + inputs_if_small(x_TD=x_TD)
 
 
@@ -143,57 +120,18 @@ def sigmoid_cases(
     )
 
 
-class Routing:
-    """The student's routing of one case, the fast reference's at the case's dtypes (whose integer outputs must be
-    matched exactly and whose float32 error calibrates the tolerances) and the plain reference's in float64.
+class Routing(SigmoidGating):
+    """sigmoid_route on one case."""
 
-    Floors: a float32 logit is exact only to a few ulps of max_e sum_d |x_d w_ed| =: U_t, so an affinity is
-    relatively uncertain by about U_t + 1 ulps, and so is every gate, whatever the algorithm.
-    """
+    problem, function, fields = PROBLEM, "sigmoid_route", FIELDS
 
-    def __init__(self, student, reference, case: SigmoidCase):
-        self.student, self.reference, self.case = student, reference, case
-        self.x_TD, self.weight_ED, self.bias_E = case.inputs()
-        self.context = case.describe(self.x_TD)
+    def options(self) -> tuple:
         # route_scale 1.0 is left out of the call: the contract's default is then what is graded.
-        scale_argument = () if case.route_scale == 1.0 else (case.route_scale,)
-        self.args = (self.x_TD, self.weight_ED, self.bias_E, case.k, *scale_argument)
-        with student.describing(self.context):
-            value = student.call("sigmoid_route", *self.args)
-        self.actual = returned_fields(value, FIELDS, "sigmoid_route", self.context)
-        with torch.no_grad():
-            self.at_dtype = dict(zip(FIELDS, reference.sigmoid_route(*self.args)))
-            self.exact = dict(zip(FIELDS, reference.sigmoid_route_torch(*self.exact_args())))
-        x64, weight64 = self.x_TD.double().cpu(), self.weight_ED.double().cpu()
-        self.uncertainty_T = 1 + (x64.abs() @ weight64.abs().T).amax(dim=-1)
+        return (self.case.k,) if self.case.route_scale == 1.0 else (self.case.k, self.case.route_scale)
 
     def exact_args(self) -> tuple:
-        return (self.x_TD.double(), self.weight_ED.double(), self.bias_E.double(), self.case.k, self.case.route_scale)
-
-    def check_equal(self, name: str) -> None:
-        assert_equal(self.actual[name], self.at_dtype[name], what=name, context=self.context)
-
-    def check_gates(self) -> None:
-        floor_scale = self.case.route_scale * float(self.uncertainty_T.max())
-        compare_floating(self.actual["gate_TK"], self.exact["gate_TK"], self.at_dtype["gate_TK"], floor_scale,
-                         PROBLEM, "gate_TK", self.context)
-
-    def check_gradients(self) -> None:
-        generator = torch.Generator().manual_seed(self.case.seed + 1)
-        upstream = torch.randn(self.exact["gate_TK"].shape, generator=generator, dtype=torch.float64).float()
-        upstream = upstream.to(current().device)
-        grad = {"inputs": [0, 1], "upstream": [None, upstream, None]}
-        with self.student.describing(self.context):
-            actual = self.student.call_traced("sigmoid_route", *self.args, grad=grad)["grads"]
-        gate_field = FIELDS.index("gate_TK")
-        exact = reference_gradients(self.reference.sigmoid_route_torch, self.exact_args(), (0, 1), gate_field, upstream)
-        at_dtype = reference_gradients(self.reference.sigmoid_route, self.args, (0, 1), gate_field, upstream)
-        # Per token, the backward pass sums terms of about route_scale * |upstream| into each logit, each
-        # uncertain by U_t ulps, then multiplies them by the other operand of the logit's product.
-        per_token_T = self.case.route_scale * upstream.double().cpu().abs().sum(dim=-1) * self.uncertainty_T
-        term_scales = router_term_scales(per_token_T, self.x_TD, self.weight_ED)
-        compare_gradients(actual, exact, at_dtype, ("x_TD", "router_weight_ED"), term_scales, PROBLEM, " from gate_TK",
-                          self.context)
+        """The plain reference is always given route_scale."""
+        return (*(t.double() for t in self.tensors), self.case.k, self.case.route_scale)
 
 
 @examples(PROBLEM)
@@ -225,11 +163,6 @@ def test_tokens_per_expert(student, reference, case):
 @given(case=sigmoid_cases())
 def test_gradients(student, reference, case):
     Routing(student, reference, case).check_gradients()
-
-
-low_precision_dtypes = st.tuples(
-    st.sampled_from(LOW_PRECISION), st.sampled_from((*LOW_PRECISION, torch.float32))
-).flatmap(lambda pair: st.sampled_from((pair, pair[::-1])))
 
 
 @examples(PROBLEM, 0.5)
