@@ -58,12 +58,20 @@ def module_digests(reference: PackageSpec, spec: SpeedSpec, problem_id: str) -> 
 
 
 def code_text(source: str) -> str:
-    """Python source as its tokens, without comments, line breaks or indentation, joined: what the digests compare.
-    Moving, rewrapping or commenting code leaves it unchanged, and so does the Python version (an AST's dump is not
-    the same on 3.11 and 3.12)."""
+    """Python source as its tokens, without comments, layout or docstrings, joined: what the digests compare. Moving,
+    rewrapping, commenting or documenting code leaves it unchanged, and so does the Python version (an AST's dump is
+    not the same on 3.11 and 3.12)."""
     layout = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
-    tokens = tokenize.generate_tokens(io.StringIO(source).readline)
-    return " ".join(token.string for token in tokens if token.type not in layout)
+    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    kept = []
+    for index, token in enumerate(tokens):
+        before = tokens[index - 1].type if index else tokenize.NEWLINE
+        after = tokens[index + 1].type if index + 1 < len(tokens) else tokenize.NEWLINE
+        statement_alone = before in layout and after in (tokenize.NEWLINE, tokenize.ENDMARKER)
+        docstring = token.type == tokenize.STRING and statement_alone
+        if token.type not in layout and not docstring:
+            kept.append(token.string)
+    return " ".join(kept)
 
 
 def function_text(function) -> str:
