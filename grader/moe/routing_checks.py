@@ -187,8 +187,8 @@ class RoutingCase:
         assume(x_TD.shape[0] > 0)
         device = current().device
         return (
-            laid_out(x_TD.to(self.x_dtype), self.x_layout).to(device),
-            *(laid_out(weight.to(self.weight_dtype), self.weight_layout).to(device) for weight in weights_ED),
+            laid_out(x_TD.to(device, self.x_dtype), self.x_layout),
+            *(laid_out(weight.to(device, self.weight_dtype), self.weight_layout) for weight in weights_ED),
         )
 
     def inputs(self) -> tuple[torch.Tensor, ...]:

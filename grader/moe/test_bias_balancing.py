@@ -80,7 +80,7 @@ class BalancingCase:
             scores_TE = (offset_TE < self.k).float()[:, permutation_E.argsort()]
             bias_E = torch.rand(self.experts, generator=generator) - 0.5
         device = current().device
-        return laid_out(scores_TE.to(self.scores_dtype), self.layout).to(device), bias_E.float().to(device)
+        return laid_out(scores_TE.to(device, self.scores_dtype), self.layout), bias_E.float().to(device)
 
     def describe(self) -> str:
         return (
