@@ -107,12 +107,12 @@ def main(argv: list[str] | None = None) -> int:
 
     commands.add_parser("check-isolation", help="say which sandbox student code would get on this machine, and why")
     instructor_commands = {}
-    for name, module in INSTRUCTOR_COMMANDS.items():
-        try:
+    # The students' copy has no grader/release/. Looked for beside this file, not imported on the chance: a Python
+    # that also has the instructor's repository installed would find that one's.
+    if (Path(__file__).parent / "release").is_dir():
+        for name, module in INSTRUCTOR_COMMANDS.items():
             instructor_commands[name] = importlib.import_module(module)
-        except ModuleNotFoundError:
-            continue  # the students' copy
-        instructor_commands[name].add_command(commands)
+            instructor_commands[name].add_command(commands)
 
     args = parser.parse_args(argv)
     if args.command == "check-isolation":

@@ -76,7 +76,7 @@ def test_submission_scores_as_a_local_run(slurm, tmp_path):
                       "--results-json", str(tmp_path / "results.json"), *FAST)
     assert done.returncode == 1, done.stdout + done.stderr  # graded, with the router not implemented
     assert "kernels.softmax  passed" in done.stdout and "moe.router       not implemented" in done.stdout
-    local = run_grader(impl, "-k", "kernels_softmax or moe_router")
+    local = run_grader(impl, "--problem", "kernels.softmax,moe.router")
     on_cluster = json.loads((tmp_path / "results.json").read_text())
     assert on_cluster["score"] == local.results["score"] > 0
 

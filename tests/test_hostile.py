@@ -141,7 +141,7 @@ def test_ranks_cannot_forge_training_without_communicating(tmp_path):
     impl = tmp_path / "impl"
     shutil.copytree(ROOT / "reference", impl, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(HOSTILE / "fakes_ddp" / "parallel" / "ddp.py", impl / "parallel" / "ddp.py")
-    run = run_grader(impl, "--problem", "parallel.ddp,moe.router", "-k", "parallel_ddp or indices_and_gates")
+    run = run_grader(impl, "--problem", "parallel.ddp,moe.router", "-k", "test_ddp or indices_and_gates")
     for test in ("broadcast_at_construction", "matches_single_process", "frozen_parameter", "tied_weights"):
         assert_fails_for(run, "parallel.ddp", test)
     outside = [t for t in run.tests_of("parallel.ddp") if "overlaps_backward" not in t["name"]]
