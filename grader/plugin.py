@@ -264,6 +264,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if deselected:
             config.hook.pytest_deselected(items=deselected)
             items[:] = [item for item in items if item not in deselected]
+    # Problems in the registry's (teaching) order, which the score table follows; a problem's tests keep theirs.
+    teaching_order = {problem.id: index for index, problem in enumerate(registry.PROBLEMS)}
+    items.sort(key=lambda item: teaching_order.get(getattr(problem_of(item), "id", None), len(teaching_order)))
     lock_reference(config, items)
     if current().profile != "grading":
         return
