@@ -29,8 +29,8 @@ _LN_2 = tl.constexpr(0.6931471805599453)
 
 # Tile shapes. Half precision on a GPU: 128 queries x 64 keys per forward step; the backward keeps BLOCK_MAJOR rows
 # resident (keys for dK/dV, queries for dQ) and streams BLOCK_MINOR. float32 multiplies without tensor cores
-# (see _precision), whose operands live in registers: smaller tiles and more warps. Under the interpreter the tiles
-# are tiny, in the same ratios, so that the short test sequences still cross several blocks.
+# (see _precision), whose operands live in registers: smaller tiles and more warps. Under the interpreter the tiles are tiny, in the same ratios, so that the short test sequences still
+# cross several blocks.
 def _forward_config(dtype: torch.dtype, head_dim_block: int) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1)
