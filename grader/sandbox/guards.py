@@ -7,6 +7,7 @@ torch DDP/FSDP) into clear failures instead of silent successes.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import sys
 import threading
@@ -113,6 +114,20 @@ class ForbiddenOpRecorder(TorchDispatchMode):
     def __exit__(self, *exc):
         _ACTIVE_RECORDERS.remove(self)
         return super().__exit__(*exc)
+
+
+@contextlib.contextmanager
+def torch_compute_allowed():
+    """Inside the block, the active recorders note forbidden operators but no longer hold torch to the allowlist: the
+    backward of the attention family's chunked forms may compute in torch, their forward may not."""
+    paused = [(recorder, recorder.allow_only) for recorder in _ACTIVE_RECORDERS if recorder.allow_only is not None]
+    for recorder, _ in paused:
+        recorder.allow_only = None
+    try:
+        yield
+    finally:
+        for recorder, allow_only in paused:
+            recorder.allow_only = allow_only
 
 
 # Dispatch modes are per thread. Other threads forward every operator to the recorders active at that moment.

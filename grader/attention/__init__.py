@@ -1,0 +1,1 @@
+"""Grading the attention family: linear-time attention and a hybrid stack."""

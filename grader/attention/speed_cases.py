@@ -1,0 +1,103 @@
+"""What the linear-attention problems' speed tests time: the chunked form's forward and backward at a training shape,
+beside torch's FlashAttention-2 (causal, forward and backward) on the same q, k, v, and the oracle the students' copy
+checks a timed output against (grader.speed.grading). Module-level functions: the student's worker builds the same
+inputs by name."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from grader.attention.linear_cases import GATED_DELTANET, LINEAR_ATTENTION, MAMBA2, Recurrence, recurrence_stepwise
+from grader.speed.grading import SpeedSpec
+from grader.speed.timing import sample_positions
+
+
+def _inputs(recurrence: Recurrence, shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple:
+    """q, k, v (and g, beta) requiring gradients, then the upstream gradients of o (and of the final state)."""
+    batch, heads, seq, head_dim = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+    torch_dtype = getattr(torch, dtype)
+
+    def normal(*size, dtype=torch_dtype):
+        return torch.randn(size, generator=generator, device=device, dtype=dtype)
+
+    q, k, v = (normal(batch, heads, seq, head_dim) for _ in range(3))
+    if recurrence.problem == "gated_deltanet":
+        k = F.normalize(k.float(), dim=-1).to(torch_dtype)
+    if recurrence.problem != "linear_attention":
+        q = q * head_dim**-0.5
+    tensors = [q, k, v]
+    if "g" in recurrence.gates:
+        tensors.append(-F.softplus(normal(batch, heads, seq, dtype=torch.float32)) * 0.1)
+    if "beta" in recurrence.gates:
+        tensors.append(torch.sigmoid(normal(batch, heads, seq, dtype=torch.float32)))
+    tensors = [t.requires_grad_(True) for t in tensors]
+    upstream = [normal(batch, heads, seq, head_dim)]
+    if recurrence.has_state:
+        upstream.append(normal(batch, heads, head_dim, head_dim, dtype=torch.float32))
+    return (*tensors, *upstream)
+
+
+def linear_attention_inputs(shape, dtype, seed, device):
+    return _inputs(LINEAR_ATTENTION, shape, dtype, seed, device)
+
+
+def mamba2_inputs(shape, dtype, seed, device):
+    return _inputs(MAMBA2, shape, dtype, seed, device)
+
+
+def gated_deltanet_inputs(shape, dtype, seed, device):
+    return _inputs(GATED_DELTANET, shape, dtype, seed, device)
+
+
+def _split(args: tuple) -> tuple[list, list]:
+    """(the tensors of the call, the upstream gradients) of an inputs tuple: the upstream ones need no gradient."""
+    inputs = [a for a in args if a.requires_grad]
+    return inputs, [a for a in args if not a.requires_grad]
+
+
+def forward_backward(function, *args) -> torch.Tensor:
+    """The timed call: the forward, then the backward to every input. The backward may compute in torch (the
+    contract allows a chunked PyTorch backward), so only the forward is held to the allowlist of the rules."""
+    from grader.sandbox.guards import torch_compute_allowed
+
+    inputs, upstream = _split(args)
+    result = function(*inputs)
+    outputs = list(result) if isinstance(result, (tuple, list)) else [result]
+    with torch_compute_allowed():
+        torch.autograd.backward(outputs, upstream[:len(outputs)])
+    return outputs[0].detach()
+
+
+def flash_attention_causal(q, k, v, *rest):
+    """torch's FlashAttention-2 kernel (the flash backend of scaled_dot_product_attention), causal, on q, k, v."""
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def _sampled(recurrence: Recurrence):
+    """The oracle of a recurrence's timed output at the positions grader.speed.timing.sample draws with `seed`: the
+    recurrence step by step in float32 on the device (float64 would take minutes there), sampled."""
+
+    @torch.no_grad()
+    def oracle(args: tuple, seed: int) -> torch.Tensor:
+        inputs, _ = _split(args)
+        output, _ = recurrence_stepwise(recurrence, *(t.detach().float() for t in inputs))
+        flat = output.reshape(-1)
+        return flat[sample_positions(flat.numel(), seed).to(flat.device)].to("cpu", torch.float64)
+
+    oracle.__name__ = oracle.__qualname__ = f"sampled_{recurrence.problem}"
+    return oracle
+
+
+SPEEDS = {
+    "attention.linear_attention": SpeedSpec("linear_attention_chunked", baseline=flash_attention_causal,
+                                            inputs=linear_attention_inputs, harness=forward_backward,
+                                            oracle=_sampled(LINEAR_ATTENTION)),
+    "attention.mamba2": SpeedSpec("mamba2_chunked", baseline=flash_attention_causal, inputs=mamba2_inputs,
+                                  harness=forward_backward, oracle=_sampled(MAMBA2)),
+    "attention.gated_deltanet": SpeedSpec("gated_deltanet_chunked", baseline=flash_attention_causal,
+                                          inputs=gated_deltanet_inputs, harness=forward_backward,
+                                          oracle=_sampled(GATED_DELTANET)),
+}
