@@ -43,6 +43,8 @@ class FamilyDefaults:
 
 FAMILY_DEFAULTS = {
     "kernels": FamilyDefaults(budgets={"ci": 6, "public": 25, "grading": 150}),
+    # Each example runs Triton's interpreter on a CPU: a chunked form costs seconds there.
+    "attention": FamilyDefaults(budgets={"ci": 3, "public": 10, "grading": 30}),
     "moe": FamilyDefaults(budgets={"ci": 10, "public": 40, "grading": 250}),
     # Each example launches ranks (seconds, not milliseconds), which also wait on one another.
     "parallel": FamilyDefaults(budgets={"ci": 1, "public": 2, "grading": 5}, call_timeout_s=90.0, world_sizes=(2, 4)),
@@ -131,6 +133,9 @@ ATTENTION_FORBIDDEN_OPS = (
     "aten.softmax",
     "aten._safe_softmax",
 )
+
+# The linear-attention problems write their own recurrences; softmax attention is not part of any of them.
+LINEAR_ATTENTION_FORBIDDEN_OPS = ATTENTION_FORBIDDEN_OPS[:6]
 
 
 PROBLEMS: tuple[Problem, ...] = (
@@ -272,6 +277,85 @@ PROBLEMS: tuple[Problem, ...] = (
         # Forward only, against the reference and torch's FlashAttention-2 (SDPA's flash backend); shape is
         # (batch, heads, seq, head_dim, causal).
         speed=SpeedThreshold(shapes=((4, 16, 4096, 64, 0), (4, 16, 4096, 128, 1)), dtypes=("bfloat16",)),
+    ),
+    Problem(
+        id="attention.linear_attention",
+        title="Linear attention: parallel, recurrent and chunked",
+        points={
+            "parallel_form": 3,
+            "recurrent_form": 3,
+            "chunked_fp32": 4,
+            "chunked_fp16": 2,
+            "chunked_bf16": 2,
+            "backward": 5,
+            "forms_agree": 2,
+            "memory_discipline": 3,
+            "invalid_arguments": 1,
+            "speed": 4,
+        },
+        uses_triton=True,
+        forbidden_ops=LINEAR_ATTENTION_FORBIDDEN_OPS,
+        # Forward and backward; shape is (batch, heads, seq, head_dim).
+        speed=SpeedThreshold(shapes=((4, 16, 4096, 64), (4, 16, 4096, 128)), dtypes=("bfloat16",)),
+        floor_ulps=16.0,
+    ),
+    Problem(
+        id="attention.mamba2",
+        title="Mamba-2: scalar-gated linear attention in log space",
+        points={
+            "recurrent_form": 3,
+            "chunked_fp32": 4,
+            "chunked_fp16": 2,
+            "chunked_bf16": 2,
+            "backward": 6,
+            "forms_agree": 2,
+            "stability": 3,
+            "state_handoff": 3,
+            "memory_discipline": 3,
+            "invalid_arguments": 1,
+            "speed": 4,
+        },
+        uses_triton=True,
+        forbidden_ops=LINEAR_ATTENTION_FORBIDDEN_OPS,
+        speed=SpeedThreshold(shapes=((4, 16, 4096, 64), (4, 16, 4096, 128)), dtypes=("bfloat16",)),
+        floor_ulps=16.0,
+    ),
+    Problem(
+        id="attention.gated_deltanet",
+        title="Gated DeltaNet, chunked through the WY representation",
+        points={
+            "recurrent_form": 3,
+            "chunked_fp32": 5,
+            "chunked_fp16": 2,
+            "chunked_bf16": 2,
+            "backward": 6,
+            "forms_agree": 2,
+            "stability": 3,
+            "state_handoff": 3,
+            "memory_discipline": 3,
+            "invalid_arguments": 1,
+            "speed": 4,
+        },
+        uses_triton=True,
+        forbidden_ops=LINEAR_ATTENTION_FORBIDDEN_OPS + ("aten.linalg_solve_triangular", "aten.linalg_inv_ex",
+                                                        "aten.triangular_solve"),
+        speed=SpeedThreshold(shapes=((4, 16, 4096, 64), (4, 16, 4096, 128)), dtypes=("bfloat16",)),
+        floor_ulps=16.0,
+    ),
+    Problem(
+        id="attention.hybrid",
+        title="A hybrid stack: Gated DeltaNet and softmax attention, prefill and decode",
+        points={
+            "forward": 5,
+            "gradients": 3,
+            "decode_matches_forward": 6,
+            "linear_state_is_constant": 3,
+            "kv_cache_grows": 2,
+            "cache_bytes": 2,
+            "invalid_arguments": 1,
+        },
+        # Plain PyTorch on small stacks: an example costs a fraction of a second, not the interpreter's seconds.
+        budgets={"ci": 5, "public": 20, "grading": 100},
     ),
     Problem(
         id="moe.router",

@@ -96,7 +96,7 @@ def executable(archive: zipfile.ZipFile, name: str, text: str) -> None:
 
 def implementation_in(upload: Path) -> Path | None:
     """The implementation package in an upload: its student_impl/ (at the top or one folder down, as in a zipped
-    repository), or the upload itself when it holds family folders (kernels/, moe/, parallel/)."""
+    repository), or the upload itself when it holds family folders (kernels/, attention/, moe/, parallel/)."""
     for candidate in (upload / "student_impl", *sorted(upload.glob("*/student_impl"))):
         if candidate.is_dir():
             return candidate
