@@ -138,12 +138,8 @@ def _precision(dtype: torch.dtype) -> str:
 # 7% faster at K = 128 than blocks of 32 on 8 warps. float32 operands (float32 and float16 inputs, see
 # _operand_dtype) take twice the registers, and float32 inputs multiply without tensor cores: smaller tiles. Under
 # the interpreter every block is 16 wide, so that the test shapes (K, V up to 64) still cross several blocks.
-def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
-
-
 def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
-    if _interpreted():
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_K=16, BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_K=min(key_dim, 32), BLOCK_V=min(value_dim, 32), num_warps=4, num_stages=2)
@@ -153,7 +149,7 @@ def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
 
 def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     """For the forward output kernel and the dv kernel, which share their shape of work."""
-    if _interpreted():
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_K=16, BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_K=min(key_dim, 32), BLOCK_V=min(value_dim, 32), num_warps=4, num_stages=2)
@@ -161,7 +157,7 @@ def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
 
 
 def _dqk_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
-    if _interpreted():
+    if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_V=min(value_dim, 16), num_warps=8, num_stages=1)
