@@ -60,11 +60,6 @@ class Recurrence:
     def has_state(self) -> bool:
         return bool(self.gates)
 
-    @property
-    def function_node(self) -> str:
-        return {"linear_attention": "LinearAttentionFunction", "mamba2": "Mamba2Function",
-                "gated_deltanet": "GatedDeltaNetFunction"}[self.problem]
-
 
 LINEAR_ATTENTION = Recurrence("linear_attention", "linear_attention_chunked", "linear_attention_recurrent",
                               parallel="linear_attention_parallel", feature_map=True)
@@ -94,6 +89,10 @@ class LinearCase:
         """The tensor arguments of a call, in order."""
         return ("q", "k", "v", *self.recurrence.gates) + (("initial_state",) if self.initial_state else ())
 
+    def travels_in(self, name: str) -> torch.dtype:
+        """The dtype an input or upstream gradient is given in: q, k, v and dO in the case's, the rest float32."""
+        return self.dtype if name in ("q", "k", "v", "grad_o") else torch.float32
+
     def exact_inputs(self) -> dict[str, torch.Tensor]:
         """Every input and upstream gradient in float64 on the CPU, holding exactly the values the call gets."""
         generator = torch.Generator().manual_seed(self.seed)
@@ -117,16 +116,13 @@ class LinearCase:
         values["grad_o"] = normal(b, h, t, self.v_dim)
         if self.recurrence.has_state:
             values["grad_state"] = normal(b, h, self.k_dim, self.v_dim)
-        # Rounded to the dtype each travels in: q, k, v, dO in the case's dtype, the rest in float32.
-        return {name: tensor.to(self.dtype if name in ("q", "k", "v", "grad_o") else torch.float32).double()
-                for name, tensor in values.items()}
+        return {name: tensor.to(self.travels_in(name)).double() for name, tensor in values.items()}
 
     def inputs(self) -> dict[str, torch.Tensor]:
         """The inputs at their dtypes on the grader's device, q, k, v laid out as the case says."""
         exact = self.exact_inputs()
         device = current().device
-        tensors = {name: tensor.to(self.dtype if name in ("q", "k", "v", "grad_o") else torch.float32)
-                   for name, tensor in exact.items()}
+        tensors = {name: tensor.to(self.travels_in(name)) for name, tensor in exact.items()}
         for name in ("q", "k", "v"):
             tensors[name] = laid_out(tensors[name], self.layout, device)
         return {name: tensor if name in ("q", "k", "v") else tensor.to(device) for name, tensor in tensors.items()}

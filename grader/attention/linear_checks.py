@@ -118,8 +118,7 @@ def check_state_handoff(student, reference, problem: Problem, case: LinearCase, 
             upstream_of(case, tensors))
     what = f"{function} over tokens [:{split}] then [{split}:], the state handed over"
     check_values(got["output"], got["state"], want, at_dtype, case, tolerance(problem), what)
-    names = [*("q", "k", "v", *case.recurrence.gates)] + (["initial_state"] if case.initial_state else [])
-    for name, actual in zip(names, got["grads"]):
+    for name, actual in zip(case.names, got["grads"]):
         if actual is None:
             raise WrongAnswer(f"gradient of {name}: no gradient reached {name} through {what} ({context})")
     report = {"requires_grad": True, "grads": got["grads"] + ([None] if not case.initial_state else [])}
