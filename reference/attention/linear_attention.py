@@ -18,7 +18,8 @@ Kernels, per (batch, head), with e bytes an element and D = K = V for the counts
       about once from HBM (the programs of one head are neighbours in the grid and walk the chunks in step, so the
       D / BLOCK re-reads of each row mostly hit L2), and writes the N states, N D^2 e = T D e (D / C) bytes: twice
       the bytes of Q at D = 128, C = 64.
-  _output_kernel: one program per (chunk, batch*head); reads Q, K, V and S_c once, writes O once.
+  _output_kernel: one program per (block of V columns, chunk, batch*head); reads V and S_c once, Q and K once per
+      block of V columns (once in half precision, where the block is all of V), writes O once.
   _gradient_kernel: one program per (chunk, batch*head); reads Q, K, V, dO, S_c and dS_c once (and Q, K again from
       L2 for phi'), writes dQ, dK, dV once.
 The boundary states are saved for backward, so the backward never rebuilds them. The states are kept in the input
@@ -91,9 +92,11 @@ def linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return torch.stack(outputs, dim=2).to(q.dtype)
 
 
-# Tile shapes. The state passes keep one [BLOCK_X, BLOCK_Y] float32 block of the state per program; the chunk
-# kernels hold whole rows of Q and K (K <= 128) and walk the value dimension in BLOCK_V columns. Under the
-# interpreter the blocks are the smallest tl.dot takes, so that the short test dimensions still cross several blocks.
+# Tile shapes. The state passes keep one [BLOCK_X, BLOCK_Y] float32 block of the state per program. The output
+# kernel walks the key dimension in BLOCK_K columns for one block of BLOCK_V value columns (all of V in half
+# precision), accumulating both of its products per block of keys. The gradient kernel holds whole rows of Q and K (K <= 128) and
+# walks the value dimension in BLOCK_V columns. Under the interpreter the blocks are the smallest tl.dot takes, so
+# that the short test dimensions still cross several blocks.
 def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_X=16, BLOCK_Y=16, num_warps=1, num_stages=1)
@@ -102,7 +105,17 @@ def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     return dict(BLOCK_X=min(key_dim, 64), BLOCK_Y=min(value_dim, 64), num_warps=4, num_stages=2)
 
 
-def _chunk_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
+def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        return dict(BLOCK_K=16, BLOCK_V=16, num_warps=1, num_stages=1)
+    if dtype == torch.float32:
+        return dict(BLOCK_K=min(key_dim, 32), BLOCK_V=min(value_dim, 32), num_warps=4, num_stages=2)
+    # Eight warps: at four, triton 3.6 on Hopper miscompiled this kernel in half precision (K = 32, V = 16 and
+    # K = 64, V = 32 read shared memory out of bounds), and two or eight gave the right values.
+    return dict(BLOCK_K=min(key_dim, 64), BLOCK_V=value_dim, num_warps=8, num_stages=2)
+
+
+def _gradient_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_V=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
@@ -178,32 +191,38 @@ def _output_kernel(q_ptr, k_ptr, v_ptr, states_ptr, o_ptr,
                    stride_kb, stride_kh, stride_kt, stride_kd,
                    stride_vb, stride_vh, stride_vt, stride_vd,
                    num_heads, seq_len, num_chunks,
-                   KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr, BLOCK_V: tl.constexpr,
-                   PRECISION: tl.constexpr):
-    """O_c = Q'_c S_c + (Q'_c K'_c^T * M) V_c for one chunk; o is contiguous [batch, heads, seq, VALUE_DIM]."""
-    chunk = tl.program_id(0)
-    batch_head = tl.program_id(1).to(tl.int64)
+                   KEY_DIM: tl.constexpr, VALUE_DIM: tl.constexpr, CHUNK: tl.constexpr,
+                   BLOCK_K: tl.constexpr, BLOCK_V: tl.constexpr, PRECISION: tl.constexpr):
+    """O_c = Q'_c S_c + (Q'_c K'_c^T * M) V_c for one chunk and one block of value columns; o is contiguous
+    [batch, heads, seq, VALUE_DIM]. The key dimension is walked in BLOCK_K columns, adding to Q'_c S_c and to the
+    scores together."""
+    value_cols = tl.program_id(0) * BLOCK_V + tl.arange(0, BLOCK_V)
+    chunk = tl.program_id(1)
+    batch_head = tl.program_id(2).to(tl.int64)
     batch, head = batch_head // num_heads, batch_head % num_heads
-    v_ptr += batch * stride_vb + head * stride_vh
+    q_ptr += batch * stride_qb + head * stride_qh
+    k_ptr += batch * stride_kb + head * stride_kh
     states_ptr += (batch_head * num_chunks + chunk) * KEY_DIM * VALUE_DIM
-    o_ptr += batch_head * seq_len * VALUE_DIM
     dtype = v_ptr.dtype.element_ty
     rows = chunk * CHUNK + tl.arange(0, CHUNK)
-    key_cols = tl.arange(0, KEY_DIM)
-    q = _load_rows(q_ptr + batch * stride_qb + head * stride_qh, rows, key_cols, stride_qt, stride_qd, seq_len)
-    k = _load_rows(k_ptr + batch * stride_kb + head * stride_kh, rows, key_cols, stride_kt, stride_kd, seq_len)
-    q = _feature_map_kernel(q).to(dtype)
-    k = _feature_map_kernel(k).to(dtype)
+
+    inter = tl.zeros([CHUNK, BLOCK_V], tl.float32)
+    scores = tl.zeros([CHUNK, CHUNK], tl.float32)
+    for key_start in range(0, KEY_DIM, BLOCK_K):
+        key_cols = key_start + tl.arange(0, BLOCK_K)
+        q = _feature_map_kernel(_load_rows(q_ptr, rows, key_cols, stride_qt, stride_qd, seq_len)).to(dtype)
+        k = _feature_map_kernel(_load_rows(k_ptr, rows, key_cols, stride_kt, stride_kd, seq_len)).to(dtype)
+        state = tl.load(states_ptr + key_cols[:, None] * VALUE_DIM + value_cols[None, :])
+        inter = tl.dot(q, state, inter, input_precision=PRECISION)
+        scores = tl.dot(q, tl.trans(k), scores, input_precision=PRECISION)
+
     # Padding rows past the sequence meet v = 0 as keys and are never stored as queries: only causality is masked.
     causal = tl.arange(0, CHUNK)[None, :] <= tl.arange(0, CHUNK)[:, None]
-    scores = tl.where(causal, tl.dot(q, tl.trans(k), input_precision=PRECISION), 0.0).to(dtype)
-    for block_start in tl.static_range(0, VALUE_DIM, BLOCK_V):
-        value_cols = block_start + tl.arange(0, BLOCK_V)
-        state = tl.load(states_ptr + key_cols[:, None] * VALUE_DIM + value_cols[None, :])
-        v = _load_rows(v_ptr, rows, value_cols, stride_vt, stride_vd, seq_len)
-        o = tl.dot(q, state, input_precision=PRECISION)
-        o = tl.dot(scores, v, o, input_precision=PRECISION)
-        tl.store(o_ptr + rows[:, None] * VALUE_DIM + value_cols[None, :], o.to(dtype), mask=rows[:, None] < seq_len)
+    scores = tl.where(causal, scores, 0.0).to(dtype)
+    v = _load_rows(v_ptr + batch * stride_vb + head * stride_vh, rows, value_cols, stride_vt, stride_vd, seq_len)
+    o = tl.dot(scores, v, inter, input_precision=PRECISION)
+    o_ptrs = o_ptr + (batch_head * seq_len + rows[:, None]) * VALUE_DIM + value_cols[None, :]
+    tl.store(o_ptrs, o.to(dtype), mask=rows[:, None] < seq_len)
 
 
 @triton.jit
@@ -289,10 +308,10 @@ class LinearAttentionFunction(torch.autograd.Function):
         value_dim = v.shape[3]
         states = _boundary_states(k, v, chunk_size, reverse=False)
         o = torch.empty((batch, heads, seq_len, value_dim), dtype=q.dtype, device=q.device)
-        _output_kernel[(states.shape[1], batch * heads)](
+        config = _output_config(q.dtype, key_dim, value_dim)
+        _output_kernel[(value_dim // config["BLOCK_V"], states.shape[1], batch * heads)](
             q, k, v, states, o, *q.stride(), *k.stride(), *v.stride(), heads, seq_len, states.shape[1],
-            KEY_DIM=key_dim, VALUE_DIM=value_dim, CHUNK=chunk_size, PRECISION=_precision(q.dtype),
-            **_chunk_config(q.dtype, key_dim, value_dim),
+            KEY_DIM=key_dim, VALUE_DIM=value_dim, CHUNK=chunk_size, PRECISION=_precision(q.dtype), **config,
         )
         ctx.save_for_backward(q, k, v, states)
         ctx.chunk_size = chunk_size
@@ -311,7 +330,7 @@ class LinearAttentionFunction(torch.autograd.Function):
             q, k, v, grad_o, states, grad_states, grad_q, grad_k, grad_v,
             *q.stride(), *k.stride(), *v.stride(), *grad_o.stride(), heads, seq_len, states.shape[1],
             KEY_DIM=key_dim, VALUE_DIM=value_dim, CHUNK=ctx.chunk_size, PRECISION=_precision(q.dtype),
-            **_chunk_config(q.dtype, key_dim, value_dim),
+            **_gradient_config(q.dtype, key_dim, value_dim),
         )
         return grad_q, grad_k, grad_v, None
 
