@@ -60,18 +60,40 @@ def module_digests(reference: PackageSpec, spec: SpeedSpec, problem_id: str) -> 
 def code_text(source: str) -> str:
     """Python source as its tokens, without comments, layout or docstrings, joined: what the digests compare. Moving,
     rewrapping, commenting or documenting code leaves it unchanged, and so does the Python version (an AST's dump is
-    not the same on 3.11 and 3.12)."""
+    not the same on 3.11 and 3.12, nor are the tokens of an f-string: see python_311_tokens)."""
     layout = (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT, tokenize.DEDENT, tokenize.ENDMARKER)
-    tokens = list(tokenize.generate_tokens(io.StringIO(source).readline))
+    tokens = python_311_tokens(source)
     kept = []
-    for index, token in enumerate(tokens):
-        before = tokens[index - 1].type if index else tokenize.NEWLINE
-        after = tokens[index + 1].type if index + 1 < len(tokens) else tokenize.NEWLINE
+    for index, (kind, text) in enumerate(tokens):
+        before = tokens[index - 1][0] if index else tokenize.NEWLINE
+        after = tokens[index + 1][0] if index + 1 < len(tokens) else tokenize.NEWLINE
         statement_alone = before in layout and after in (tokenize.NEWLINE, tokenize.ENDMARKER)
-        docstring = token.type == tokenize.STRING and statement_alone
-        if token.type not in layout and not docstring:
-            kept.append(token.string)
+        docstring = kind == tokenize.STRING and statement_alone
+        if kind not in layout and not docstring:
+            kept.append(text)
     return " ".join(kept)
+
+
+def python_311_tokens(source: str) -> list[tuple[int, str]]:
+    """(type, text) of each token of `source`, with every f-string one STRING token of its source text, as Python
+    3.11 reads it: from 3.12 on, the tokenizer splits an f-string into its parts (FSTRING_START, the text and the
+    replacement fields' own tokens, FSTRING_END)."""
+    fstring_start, fstring_end = getattr(tokenize, "FSTRING_START", None), getattr(tokenize, "FSTRING_END", None)
+    lines = source.splitlines(keepends=True)
+    tokens, depth, begin = [], 0, (0, 0)
+    for token in tokenize.generate_tokens(io.StringIO(source).readline):
+        if token.type == fstring_start:
+            begin = token.start if depth == 0 else begin
+            depth += 1
+        elif token.type == fstring_end:
+            depth -= 1
+            if depth == 0:
+                (first_row, first_col), (last_row, last_col) = begin, token.end
+                spanned = "".join(lines[first_row - 1:last_row])
+                tokens.append((tokenize.STRING, spanned[first_col:len(spanned) - len(lines[last_row - 1]) + last_col]))
+        elif depth == 0:
+            tokens.append((token.type, token.string))
+    return tokens
 
 
 def function_text(function) -> str:
