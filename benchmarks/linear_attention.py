@@ -173,14 +173,18 @@ def kept_rows(problems: list[str]) -> tuple[list[str], list[str]]:
     for line in RESULTS.read_text().splitlines():
         if line.startswith("| problem |"):
             table += 1
-        cells = line.split(" | ")
-        if table >= 0 and line.startswith("| ") and cells[0][2:] in PROBLEMS and cells[0][2:] not in problems:
+        if table >= 0 and row_problem(line) in PROBLEMS and row_problem(line) not in problems:
             tables[table].append(line)
     return tables[0], tables[1]
 
 
+def row_problem(row: str) -> str:
+    """The first cell of a table row ("| mamba2 | 4096 | ..." -> "mamba2")."""
+    return row.split(" | ")[0][2:] if row.startswith("| ") else ""
+
+
 def in_order(rows: list[str]) -> list[str]:
-    return sorted(rows, key=lambda row: PROBLEMS.index(row.split(" | ")[0][2:]))
+    return sorted(rows, key=lambda row: PROBLEMS.index(row_problem(row)))
 
 
 def main(problems: list[str]) -> None:

@@ -90,7 +90,8 @@ def python_311_tokens(source: str) -> list[tuple[int, str]]:
             if depth == 0:
                 (first_row, first_col), (last_row, last_col) = begin, token.end
                 spanned = "".join(lines[first_row - 1:last_row])
-                tokens.append((tokenize.STRING, spanned[first_col:len(spanned) - len(lines[last_row - 1]) + last_col]))
+                after_end = len(lines[last_row - 1]) - last_col  # what follows the f-string on its last line
+                tokens.append((tokenize.STRING, spanned[first_col:len(spanned) - after_end]))
         elif depth == 0:
             tokens.append((token.type, token.string))
     return tokens

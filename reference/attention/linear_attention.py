@@ -94,9 +94,9 @@ def linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 
 # Tile shapes. The state passes keep one [BLOCK_X, BLOCK_Y] float32 block of the state per program. The output
 # kernel walks the key dimension in BLOCK_K columns for one block of BLOCK_V value columns (all of V in half
-# precision), accumulating both of its products per block of keys. The gradient kernel holds whole rows of Q and K (K <= 128) and
-# walks the value dimension in BLOCK_V columns. Under the interpreter the blocks are the smallest tl.dot takes, so
-# that the short test dimensions still cross several blocks.
+# precision), accumulating both of its products per block of keys. The gradient kernel holds whole rows of Q and K
+# (K <= 128) and walks the value dimension in BLOCK_V columns. Under the interpreter the blocks are the smallest
+# tl.dot takes, so that the short test dimensions still cross several blocks.
 def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_X=16, BLOCK_Y=16, num_warps=1, num_stages=1)
