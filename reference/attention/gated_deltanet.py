@@ -105,9 +105,15 @@ def _config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
         return dict(BLOCK_K=min(key_dim, 16), BLOCK_V=min(value_dim, 16), STEP_K=min(key_dim, 16),
                     STEP_V=min(value_dim, 16), SCAN_V=min(value_dim, 16), WARPS=1, SCAN_WARPS=1, SCAN_STAGES=1)
     wide = max(key_dim, value_dim) >= 64 or dtype == torch.float32
+    warps, scan_warps = 8 if wide else 4, 8 if key_dim > 64 or dtype == torch.float32 else 4
+    if dtype != torch.float32 and min(key_dim, value_dim) < 64:
+        # Triton 3.6 on an H200 miscompiled these kernels' half-precision tensor-core products at narrow widths
+        # (wrong values or illegal addresses at K > V with V <= 32, and at K = 16, V = 32, on four or eight warps;
+        # float32 was right). Two warps take another instruction path and gave the right values at every pair of
+        # widths from 16 to 128 and chunks of 16, 32 and 64, against the float64 recurrence at T = 513.
+        warps = scan_warps = 2
     return dict(BLOCK_K=min(key_dim, 64), BLOCK_V=min(value_dim, 64), STEP_K=min(key_dim, 32),
-                STEP_V=min(value_dim, 32), SCAN_V=min(value_dim, 32), WARPS=8 if wide else 4,
-                SCAN_WARPS=8 if key_dim > 64 or dtype == torch.float32 else 4,
+                STEP_V=min(value_dim, 32), SCAN_V=min(value_dim, 32), WARPS=warps, SCAN_WARPS=scan_warps,
                 SCAN_STAGES=2 if dtype == torch.float32 else 3)
 
 

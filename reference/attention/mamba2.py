@@ -138,13 +138,21 @@ def _precision(dtype: torch.dtype) -> str:
 # 7% faster at K = 128 than blocks of 32 on 8 warps. float32 operands (float32 and float16 inputs, see
 # _operand_dtype) take twice the registers, and float32 inputs multiply without tensor cores: smaller tiles. Under
 # the interpreter every block is 16 wide, so that the test shapes (K, V up to 64) still cross several blocks.
+def _bfloat16_warps(key_dim: int, value_dim: int) -> int:
+    """Warps of the bfloat16 kernels. Four where both widths are 64 or more (measured fastest, above). Below that,
+    triton 3.6 on an H200 miscompiled four-warp kernels of this file (wrong values at K = 16, V = 32; K = 32, V = 16;
+    K = 64, V = 16 and 32; checked against the float64 recurrence at T = 513); eight gave the right values at every
+    pair of widths from 16 to 128 and chunks of 16, 32 and 64."""
+    return 4 if min(key_dim, value_dim) >= 64 else 8
+
+
 def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_K=16, BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_K=min(key_dim, 32), BLOCK_V=min(value_dim, 32), num_warps=4, num_stages=2)
-    return dict(BLOCK_K=min(key_dim, 64), BLOCK_V=min(value_dim, 64 if value_dim > 64 else 32), num_warps=4,
-                num_stages=3)
+    return dict(BLOCK_K=min(key_dim, 64), BLOCK_V=min(value_dim, 64 if value_dim > 64 else 32),
+                num_warps=_bfloat16_warps(key_dim, value_dim), num_stages=3)
 
 
 def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
@@ -153,7 +161,8 @@ def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
         return dict(BLOCK_K=16, BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_K=min(key_dim, 32), BLOCK_V=min(value_dim, 32), num_warps=4, num_stages=2)
-    return dict(BLOCK_K=min(key_dim, 64), BLOCK_V=value_dim, num_warps=4, num_stages=2)
+    return dict(BLOCK_K=min(key_dim, 64), BLOCK_V=value_dim, num_warps=_bfloat16_warps(key_dim, value_dim),
+                num_stages=2)
 
 
 def _dqk_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
@@ -161,7 +170,8 @@ def _dqk_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
         return dict(BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_V=min(value_dim, 16), num_warps=8, num_stages=1)
-    return dict(BLOCK_V=min(value_dim, 64 if key_dim > 64 else 32), num_warps=4, num_stages=2)
+    return dict(BLOCK_V=min(value_dim, 64 if key_dim > 64 else 32), num_warps=_bfloat16_warps(key_dim, value_dim),
+                num_stages=2)
 
 
 @triton.jit
