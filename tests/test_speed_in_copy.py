@@ -34,8 +34,7 @@ def single_gpu_speed_problems():
 
 # Speed cases whose ratios are still to be measured on the GPU: their speed lines in the copy are advisory until then.
 # Strict: once measured, the mark must go.
-# (The linear-attention reference's output kernel changed after its ratios were measured.)
-NOT_YET_MEASURED = {"attention.linear_attention"}
+NOT_YET_MEASURED: set[str] = set()
 # Problems whose copy checks a timed output against the recurrence run step by step on the device.
 RECURRENCE_ORACLE = ("attention.gated_deltanet", "attention.linear_attention", "attention.mamba2")
 
@@ -69,6 +68,24 @@ def test_a_changed_speed_test_makes_its_ratios_stale():
     assert stale == {MEASURED_ON: ["kernels.gelu"]}
     assert "kernels.gelu" not in kept["gpus"][MEASURED_ON]["problems"]
     assert "kernels.softmax" in kept["gpus"][MEASURED_ON]["problems"]
+
+
+def test_measuring_some_problems_keeps_the_gpus_other_ratios(tmp_path, monkeypatch):
+    """Ratios of one problem measured again replace that problem's alone, where the versions and calls are those
+    the GPU's other ratios were measured with; with other versions, the GPU's ratios start afresh."""
+    out = tmp_path / "ratios.json"
+    shutil.copy(RATIOS_FILE, out)
+    stored = json.loads(out.read_text())["gpus"][MEASURED_ON]
+    measured = {"kernels.gelu": {"cases": {}, "digests": {}}}
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: MEASURED_ON)
+    monkeypatch.setattr(speed_ratios, "measure_gpu", lambda reference, problem_ids, calls: measured)
+    monkeypatch.setattr(speed_ratios, "versions", lambda: stored["versions"])
+    speed_ratios.measure_into(out, PackageSpec("reference", ROOT / "reference"), ["kernels.gelu"], stored["calls"])
+    problems = json.loads(out.read_text())["gpus"][MEASURED_ON]["problems"]
+    assert problems == {**stored["problems"], **measured}
+    monkeypatch.setattr(speed_ratios, "versions", lambda: {**stored["versions"], "triton": "0.0"})
+    speed_ratios.measure_into(out, PackageSpec("reference", ROOT / "reference"), ["kernels.gelu"], stored["calls"])
+    assert json.loads(out.read_text())["gpus"][MEASURED_ON]["problems"] == measured
 
 
 def test_the_moe_layer_oracle_agrees_with_the_reference():

@@ -11,7 +11,8 @@ spec's oracle) agrees with the reference's output, with the tolerance a student 
 
     python -m grader.speed.ratios [OUT.json] [--problems kernels.gelu,...] [--calls 30]
 
-adds this GPU's ratios to OUT.json (by default grader/speed/ratios.json; other GPU models already in it are kept),
+adds this GPU's ratios to OUT.json (by default grader/speed/ratios.json; other GPU models already in it are kept,
+and this GPU's ratios of the problems not named where torch, triton, CUDA and --calls are the same),
 with digests of the reference module and the speed test's functions they were measured with: `python -m grader
 release` leaves out the ratios of a problem where either changed since. Problems graded by step time on several
 GPUs (the parallel family) have no single-GPU baseline: their speed points are given on submission.
@@ -171,11 +172,16 @@ def versions() -> dict:
 
 
 def measure_into(out: Path, reference: PackageSpec, problem_ids: list[str], calls: int = CALLS) -> str:
-    """Measure this GPU's ratios and store them in `out` beside other GPU models'; returns the GPU's name."""
+    """Measure this GPU's ratios of `problem_ids` and store them in `out` beside other GPU models' and, where they
+    were measured with the same torch, triton, CUDA and number of calls, beside this GPU's ratios of other problems
+    (so that one problem can be measured again alone); returns the GPU's name."""
     gpu = torch.cuda.get_device_name(0)
     stored = json.loads(out.read_text()) if out.exists() else {"format": FORMAT, "gpus": {}}
+    earlier = stored["gpus"].get(gpu, {})
+    alike = earlier.get("versions") == versions() and earlier.get("calls") == calls
+    kept = {problem: ratios for problem, ratios in earlier.get("problems", {}).items() if alike}
     stored["gpus"][gpu] = {"versions": versions(), "calls": calls,
-                           "problems": measure_gpu(reference, problem_ids, calls)}
+                           "problems": {**kept, **measure_gpu(reference, problem_ids, calls)}}
     out.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     return gpu
 
