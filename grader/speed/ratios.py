@@ -178,9 +178,10 @@ def measure_into(out: Path, reference: PackageSpec, problem_ids: list[str], call
     gpu = torch.cuda.get_device_name(0)
     stored = json.loads(out.read_text()) if out.exists() else {"format": FORMAT, "gpus": {}}
     earlier = stored["gpus"].get(gpu, {})
-    alike = earlier.get("versions") == versions() and earlier.get("calls") == calls
-    kept = {problem: ratios for problem, ratios in earlier.get("problems", {}).items() if alike}
-    stored["gpus"][gpu] = {"versions": versions(), "calls": calls,
+    here = versions()
+    alike = earlier.get("versions") == here and earlier.get("calls") == calls
+    kept = earlier.get("problems", {}) if alike else {}
+    stored["gpus"][gpu] = {"versions": here, "calls": calls,
                            "problems": {**kept, **measure_gpu(reference, problem_ids, calls)}}
     out.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
     return gpu
