@@ -42,6 +42,9 @@ FAMILY_TITLES = {
 }
 # Signatures longer than this are split one parameter per line, so the code blocks fit the page.
 SIGNATURE_WIDTH = 88
+# The longest contract line the handout prints without wrapping, in characters: a docstring line without the
+# indentation it has in the source, or a line of a signature. The template sets each contract at a size that fits it.
+CONTRACT_WIDTH = 112
 
 HASH_PATTERN = re.compile(rb"source-sha256:([0-9a-f]{64})")
 
@@ -188,23 +191,68 @@ def trailing_comments(source: str) -> dict[int, str]:
     }
 
 
+def class_fields(node: ast.ClassDef) -> list[ast.AnnAssign]:
+    return [
+        statement
+        for statement in node.body
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+    ]
+
+
+def field_line(statement: ast.AnnAssign, comments: dict[int, str]) -> str:
+    """An annotated field as the handout prints it, with the comment its author wrote beside it."""
+    field = f"    {statement.target.id}: {ast.unparse(statement.annotation)}"
+    if statement.value is not None:
+        field += f" = {ast.unparse(statement.value)}"
+    comment = comments.get(statement.end_lineno)
+    return f"{field}  {comment}" if comment else field
+
+
+def class_line(node: ast.ClassDef) -> str:
+    bases = [ast.unparse(base) for base in node.bases] + [ast.unparse(keyword) for keyword in node.keywords]
+    return f"class {node.name}({', '.join(bases)}):" if bases else f"class {node.name}:"
+
+
 def class_signature(node: ast.ClassDef, comments: dict[int, str]) -> str:
     """The class line and its annotated fields (a NamedTuple's fields, in order, with their comments)."""
     decorators = [f"@{ast.unparse(decorator)}\n" for decorator in node.decorator_list]
-    bases = [ast.unparse(base) for base in node.bases] + [ast.unparse(keyword) for keyword in node.keywords]
-    lines = [f"class {node.name}({', '.join(bases)}):" if bases else f"class {node.name}:"]
-    for statement in node.body:
-        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
-            field = f"    {statement.target.id}: {ast.unparse(statement.annotation)}"
-            if statement.value is not None:
-                field += f" = {ast.unparse(statement.value)}"
-            comment = comments.get(statement.end_lineno)
-            lines.append(f"{field}  {comment}" if comment else field)
+    lines = [class_line(node)] + [field_line(statement, comments) for statement in class_fields(node)]
     return "".join(decorators) + "\n".join(lines)
 
 
 def docstring(node) -> str:
     return ast.get_docstring(node, clean=True) or ""
+
+
+def docstring_lines(node) -> list[tuple[int, str]]:
+    """The lines of a node's docstring as the handout prints them, each with its line number in the source."""
+    text = docstring(node)
+    if not text:
+        return []
+    raw_lines = node.body[0].value.value.split("\n")
+    # Cleaning drops the blank lines a docstring starts with.
+    first = next(index for index, line in enumerate(raw_lines) if line.strip())
+    return [(node.body[0].value.lineno + first + index, line) for index, line in enumerate(text.split("\n"))]
+
+
+def printed_lines(node, comments: dict[int, str]) -> list[tuple[int, str]]:
+    """The lines the handout prints for a module, function or class, each with its line number in the source."""
+    lines = docstring_lines(node)
+    if isinstance(node, ast.ClassDef):
+        lines.append((node.lineno, class_line(node)))
+        lines += [(statement.end_lineno, field_line(statement, comments)) for statement in class_fields(node)]
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines += [(node.lineno, line) for line in function_signature(node).split("\n")]
+    return lines
+
+
+def overlong_lines(module: ast.Module, comments: dict[int, str]) -> list[tuple[int, int]]:
+    """(source line, width) of every line the handout would print of the module that is wider than CONTRACT_WIDTH."""
+    nodes = [module] + [
+        node for node in ast.walk(module) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    ]
+    printed = [line for node in nodes for line in printed_lines(node, comments)]
+    return sorted({(number, len(line)) for number, line in printed if len(line) > CONTRACT_WIDTH})
 
 
 def stub_contract(path: Path) -> dict:
@@ -215,6 +263,11 @@ def stub_contract(path: Path) -> dict:
     except SyntaxError as error:
         raise BuildError(f"{path} does not parse: {error}") from error
     comments = trailing_comments(source)
+    overlong = overlong_lines(module, comments)
+    if overlong:
+        lines = "".join(f"\n  {path}:{number}: {width} characters" for number, width in overlong)
+        raise BuildError(f"contract lines wider than the {CONTRACT_WIDTH} characters the handout prints without "
+                         f"wrapping (a docstring line counts without its indentation in the source):{lines}")
     items = []
     for node in module.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_public(node.name):
