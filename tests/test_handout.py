@@ -107,3 +107,25 @@ def test_every_contract_line_fits_the_page(problem):
     source = stub.read_text()
     overlong = build.overlong_lines(ast.parse(source), build.trailing_comments(source))
     assert not overlong, f"{stub}: lines (number, characters) wider than {build.CONTRACT_WIDTH}: {overlong}"
+
+
+def test_the_deliverables_are_the_functions_and_methods_the_stub_does_not_give(tmp_path):
+    stub = tmp_path / "stub.py"
+    stub.write_text(textwrap.dedent('''
+        class Config(NamedTuple):
+            size: int
+
+        class Layer:
+            """A layer."""
+            def __init__(self, config: Config) -> None:
+                """Given: the parameters."""
+            def forward(self, x):
+                """Run it."""
+
+        def helper(x):
+            """Given: a conversion."""
+
+        def compute(x):
+            """Compute it."""
+    '''))
+    assert build.deliverables(build.stub_contract(stub)) == ["Layer.forward", "compute"]

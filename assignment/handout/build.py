@@ -271,13 +271,18 @@ def stub_contract(path: Path) -> dict:
     items = []
     for node in module.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_public(node.name):
-            items.append(
-                {"name": node.name, "signature": function_signature(node), "doc": docstring(node), "methods": []}
-            )
+            items.append({
+                "name": node.name,
+                "kind": "function",
+                "signature": function_signature(node),
+                "doc": docstring(node),
+                "methods": [],
+            })
         elif isinstance(node, ast.ClassDef) and is_public(node.name):
             methods = [
                 {
                     "name": f"{node.name}.{method.name}",
+                    "kind": "method",
                     "signature": function_signature(method),
                     "doc": docstring(method),
                 }
@@ -285,8 +290,17 @@ def stub_contract(path: Path) -> dict:
                 if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_public(method.name)
             ]
             signature = class_signature(node, comments)
-            items.append({"name": node.name, "signature": signature, "doc": docstring(node), "methods": methods})
+            items.append(
+                {"name": node.name, "kind": "class", "signature": signature, "doc": docstring(node), "methods": methods}
+            )
     return {"module_doc": docstring(module), "items": items}
+
+
+def deliverables(contract: dict) -> list[str]:
+    """The functions and methods a student writes, in the stub's order: all but those whose docstring starts with
+    "Given" (code the stub gives, such as constructors that pin parameter names)."""
+    entries = [entry for item in contract["items"] for entry in [item, *item["methods"]]]
+    return [entry["name"] for entry in entries if entry["kind"] != "class" and not entry["doc"].startswith("Given")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -297,6 +311,10 @@ def problem_data(root: Path, problem) -> dict:
     section = section_path(problem)
     if not (root / HANDOUT_DIR / section).is_file():
         raise BuildError(f"handout section {(HANDOUT_DIR / section).as_posix()} of problem {problem.id} is missing")
+    if problem.hours is None or not problem.learns:
+        raise BuildError(f"problem {problem.id} needs `hours` and `learns` in {REGISTRY.as_posix()}: the handout "
+                         "opens the problem with both")
+    contract = stub_contract(root / stub_path(problem))
     speed = None
     if problem.speed is not None:
         speed_points = problem.points.get("speed", 0)
@@ -328,7 +346,10 @@ def problem_data(root: Path, problem) -> dict:
         "world_sizes": list(problem.world_sizes),
         "error_multiple": problem.error_multiple,
         "floor_ulps": problem.floor_ulps,
-        "contract": stub_contract(root / stub_path(problem)),
+        "hours": problem.hours,
+        "learns": problem.learns,
+        "contract": contract,
+        "deliverables": deliverables(contract),
     }
 
 
