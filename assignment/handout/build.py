@@ -3,9 +3,10 @@
     python -m assignment.handout.build            # compile handout.pdf at the repository root
     python -m assignment.handout.build --check    # exit 1 if handout.pdf is stale; writes nothing
 
-Everything the template shows about a problem comes from the registry (points, budgets, limits) and from the stub
-module in `student_impl/`, read with `ast` so that no student-facing code is imported. The data reaches typst as one
-JSON string in `sys.inputs.data`.
+Everything the template shows about a problem comes from the registry (points, budgets, limits, hours, what it
+teaches) and from the stub module in `student_impl/`, read with `ast` so that no student-facing code is imported. The
+data reaches typst as one JSON string in `sys.inputs.data`. A stub whose docstring or signature has a line wider than
+the handout prints without wrapping (CONTRACT_WIDTH) stops the build, which names the file and line.
 
 Freshness is a SHA-256 over every file that feeds the PDF, embedded in the PDF's keywords as `source-sha256:<hex>`.
 A hash and not modification times, because git does not keep mtimes: a fresh clone must still pass `--check`.
@@ -247,7 +248,7 @@ def printed_lines(node, comments: dict[int, str]) -> list[tuple[int, str]]:
 
 
 def overlong_lines(module: ast.Module, comments: dict[int, str]) -> list[tuple[int, int]]:
-    """(source line, width) of every line the handout would print of the module that is wider than CONTRACT_WIDTH."""
+    """(source line, width) of every docstring and signature line of the module wider than CONTRACT_WIDTH."""
     nodes = [module] + [
         node for node in ast.walk(module) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
     ]
