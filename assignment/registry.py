@@ -1,4 +1,5 @@
-"""The problem registry: every graded problem, its points, example budgets, time limits and speed thresholds.
+"""The problem registry: every graded problem, its points, example budgets, time limits and speed thresholds, and
+the time estimate and learning goal the handout states for it.
 
 One entry per problem, in teaching order (the handout's and the score table's): within each family, from the idea a
 student needs first to the ones that build on it. What an entry leaves out is its family's (FAMILY_DEFAULTS). The
@@ -58,6 +59,10 @@ class Problem:
     # Points per test group; a group is one test function of the problem's grader module, named without `test_`.
     # A parametrised test shares its group's points equally between its cases.
     points: dict[str, float]
+    # The handout's opening box of the problem: about how many hours it takes, and what the student learns from it
+    # (a phrase that follows "You learn"). Every problem states both (tests/test_registry.py).
+    hours: float | None = None
+    learns: str = ""
     # Hypothesis examples per test, by profile (empty: the family's).
     budgets: dict[str, int] = field(default_factory=dict)
     # Seconds one call into student code may take (None: the family's), and the least seconds one whole test may
@@ -142,6 +147,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="kernels.gelu",
         title="GeLU in Triton",
+        hours=2,
+        learns=(
+            "how a Triton program covers one block of elements, masks the ragged edge, and computes in float32 "
+            "whatever the storage dtype"
+        ),
         points={
             "matches_reference_fp32": 4,
             "matches_reference_fp16": 2,
@@ -157,6 +167,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="kernels.row_sum",
         title="Row sums in Triton",
+        hours=2,
+        learns="to reduce along rows of any length with a blocked loop and a float32 accumulator",
         points={
             "matches_reference_fp32": 4,
             "matches_reference_fp16": 2,
@@ -174,6 +186,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="kernels.softmax",
         title="Softmax in Triton",
+        hours=3,
+        learns=(
+            "a softmax that cannot overflow, and the online maximum and sum that stream a row longer than one block "
+            "through once"
+        ),
         points={
             "matches_reference_fp32": 5,
             "matches_reference_fp16": 3,
@@ -190,6 +207,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="kernels.rmsnorm",
         title="RMSNorm forward and backward in Triton",
+        hours=4,
+        learns="to write a backward pass in Triton: an autograd function whose weight gradient sums over every row",
         points={
             "forward_fp32": 4,
             "forward_fp16": 2,
@@ -209,6 +228,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="kernels.matmul",
         title="Tiled matrix multiplication in Triton",
+        hours=5,
+        learns=(
+            "tiling for reuse: blocks of both operands on chip, a float32 accumulator, a cache-friendly program "
+            "order and a fused epilogue"
+        ),
         points={
             "matches_reference_fp32": 4,
             "matches_reference_fp16": 4,
@@ -245,6 +269,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="kernels.flash_attention_torch",
         title="FlashAttention-2 in PyTorch",
+        hours=5,
+        learns=(
+            "the FlashAttention-2 algorithm in plain PyTorch tiles: the online softmax over key blocks, the "
+            "log-sum-exp kept for backward, and a backward that recomputes the scores"
+        ),
         points={
             "forward": 4,
             "logsumexp": 2,
@@ -259,6 +288,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="kernels.flash_attention_triton",
         title="FlashAttention-2 in Triton",
+        hours=8,
+        learns=(
+            "to turn that algorithm into Triton kernels, forward and backward, skipping the blocks a causal mask "
+            "hides"
+        ),
         points={
             "forward_fp32": 4,
             "forward_fp16": 3,
@@ -281,6 +315,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="attention.linear_attention",
         title="Linear attention: parallel, recurrent and chunked",
+        hours=6,
+        learns=(
+            "why attention without a softmax is a recurrence with a fixed-size state, and the chunked form that "
+            "trains it at matrix-multiply speed"
+        ),
         points={
             "parallel_form": 3,
             "recurrent_form": 3,
@@ -302,6 +341,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="attention.mamba2",
         title="Mamba-2: scalar-gated linear attention in log space",
+        hours=6,
+        learns="a state that decays, computed stably in log space across chunks, with a state passed in and out",
         points={
             "recurrent_form": 3,
             "chunked_fp32": 4,
@@ -323,6 +364,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="attention.gated_deltanet",
         title="Gated DeltaNet, chunked through the WY representation",
+        hours=10,
+        learns=(
+            "the delta rule's state update, and the WY representation that chunks it with one triangular solve per "
+            "chunk"
+        ),
         points={
             "recurrent_form": 3,
             "chunked_fp32": 5,
@@ -345,6 +391,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="attention.hybrid",
         title="A hybrid stack: Gated DeltaNet and softmax attention, prefill and decode",
+        hours=5,
+        learns=(
+            "to decode token by token: a fixed-size recurrent state beside a growing KV cache, and what each costs "
+            "in memory"
+        ),
         points={
             "forward": 5,
             "gradients": 3,
@@ -360,6 +411,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="moe.router",
         title="Top-k token-choice router",
+        hours=3,
+        learns=(
+            "top-k token-choice routing with exact tie-breaking, the balance loss and the router z-loss, and their "
+            "gradients"
+        ),
         points={
             "indices_and_gates": 5,
             "tie_breaking": 2,
@@ -374,6 +430,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="moe.noisy_topk",
         title="Noisy top-k gating",
+        hours=2,
+        learns="how learned noise on the logits lets a router explore in training and stay deterministic in evaluation",
         points={
             "indices_and_gates": 5,
             "eval_is_noise_free": 3,
@@ -384,31 +442,26 @@ PROBLEMS: tuple[Problem, ...] = (
         },
     ),
     Problem(
-        id="moe.sigmoid_router",
-        title="Sigmoid router with a selection-only bias",
+        id="moe.capacity",
+        title="Expert capacity and token dropping",
+        hours=3,
+        learns=(
+            "how fixed-size expert buffers force token dropping, and the priority that decides which assignments "
+            "stay"
+        ),
         points={
-            "indices_and_gates": 5,
-            "tie_breaking": 2,
-            "tokens_per_expert": 1,
-            "gradients": 3,
-            "low_precision_inputs": 1,
-            "invalid_arguments": 1,
-        },
-    ),
-    Problem(
-        id="moe.group_limited_routing",
-        title="Group-limited routing",
-        points={
-            "groups_and_experts": 5,
+            "capacity": 2,
+            "kept_set": 5,
+            "positions": 3,
             "gates": 3,
-            "tie_breaking": 2,
-            "gradients": 2,
             "invalid_arguments": 1,
         },
     ),
     Problem(
         id="moe.expert_choice",
         title="Expert-choice routing",
+        hours=2,
+        learns="routing turned around: each expert picks its tokens, so the load is balanced by construction",
         points={
             "tokens_and_gates": 5,
             "capacity": 2,
@@ -420,19 +473,36 @@ PROBLEMS: tuple[Problem, ...] = (
         },
     ),
     Problem(
-        id="moe.capacity",
-        title="Expert capacity and token dropping",
+        id="moe.sigmoid_router",
+        title="Sigmoid router with a selection-only bias",
+        hours=2,
+        learns="sigmoid affinities, and a bias that steers which experts are chosen without changing the gates",
         points={
-            "capacity": 2,
-            "kept_set": 5,
-            "positions": 3,
-            "gates": 3,
+            "indices_and_gates": 5,
+            "tie_breaking": 2,
+            "tokens_per_expert": 1,
+            "gradients": 3,
+            "low_precision_inputs": 1,
+            "invalid_arguments": 1,
+        },
+    ),
+    Problem(
+        id="moe.bias_balancing",
+        title="Auxiliary-loss-free bias balancing",
+        hours=1,
+        learns="to balance experts without an auxiliary loss: the bias update from the loads a step observed",
+        points={
+            "loads": 3,
+            "bias_update": 4,
+            "experts_at_the_mean": 2,
             "invalid_arguments": 1,
         },
     ),
     Problem(
         id="moe.sequence_balance_loss",
         title="Sequence-wise balance loss",
+        hours=2,
+        learns="a balance loss taken per sequence, which sees an imbalance a batch-wide loss hides",
         points={
             "loss": 4,
             "even_routing": 2,
@@ -442,18 +512,23 @@ PROBLEMS: tuple[Problem, ...] = (
         },
     ),
     Problem(
-        id="moe.bias_balancing",
-        title="Auxiliary-loss-free bias balancing",
+        id="moe.group_limited_routing",
+        title="Group-limited routing",
+        hours=2,
+        learns="to bound each token's communication by choosing groups of experts before the experts",
         points={
-            "loads": 3,
-            "bias_update": 4,
-            "experts_at_the_mean": 2,
+            "groups_and_experts": 5,
+            "gates": 3,
+            "tie_breaking": 2,
+            "gradients": 2,
             "invalid_arguments": 1,
         },
     ),
     Problem(
         id="moe.moe_layer",
         title="The MoE feed-forward layer",
+        hours=5,
+        learns="the whole layer: tokens sorted by expert, one product per expert, shared experts and the gated combine",
         points={
             "output": 4,
             "gradients": 5,
@@ -473,6 +548,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="moe.upcycle",
         title="Upcycling a dense MLP into experts",
+        hours=2,
+        learns="to turn a trained dense MLP into experts whose layer reproduces it exactly at initialisation",
         points={
             "expert_copies": 3,
             "experts_independent": 2,
@@ -485,6 +562,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="moe.accounting",
         title="Total and activated parameters of an MoE model",
+        hours=2,
+        learns="to count an MoE model's total and activated parameters term by term",
         points={
             "published_shapes": 4,
             "drawn_configs": 3,
@@ -495,6 +574,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.collectives",
         title="Collectives from point-to-point messages",
+        hours=6,
+        learns=(
+            "how broadcast, reduce, gathers, scatters, all-reduce and all-to-all are built from messages, and what "
+            "each costs in bytes"
+        ),
         points={
             "broadcast": 2,
             "scatter": 2,
@@ -551,6 +635,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.ddp",
         title="Data parallelism with overlapped gradient all-reduce",
+        hours=4,
+        learns="data parallelism that overlaps each gradient's all-reduce with the rest of backward",
         points={
             "broadcast_at_construction": 3,
             "matches_single_process": 8,
@@ -574,6 +660,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.ddp_bucketed",
         title="Data parallelism with gradient buckets",
+        hours=4,
+        learns="why gradients travel in buckets, and how to send each bucket the moment its last gradient is ready",
         points={
             "matches_single_process": 8,
             "bucket_partition": 5,
@@ -594,6 +682,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.zero1",
         title="ZeRO-1: sharded optimizer state",
+        hours=3,
+        learns="to shard the optimizer state across ranks and gather the updated parameters back",
         points={
             "matches_unsharded": 8,
             "state_sharded": 6,
@@ -611,6 +701,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.zero2",
         title="ZeRO-2: sharded gradients and optimizer state",
+        hours=4,
+        learns="to shard the gradients too, reducing each to the rank that owns it during backward",
         points={
             "matches_single_process": 8,
             "gradients_sharded": 5,
@@ -630,6 +722,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.fsdp",
         title="Fully sharded data parallelism (ZeRO-3)",
+        hours=8,
+        learns=(
+            "fully sharded training: each unit's parameters gathered just in time and freed after, gradients "
+            "reduce-scattered, bf16 compute"
+        ),
         points={
             "matches_single_process": 8,
             "frozen_parameter": 2,
@@ -658,8 +755,36 @@ PROBLEMS: tuple[Problem, ...] = (
         },
     ),
     Problem(
+        id="parallel.activation_checkpointing",
+        title="Activation checkpointing",
+        hours=3,
+        learns="to trade compute for memory: recompute a block's activations in backward, with the same dropout masks",
+        points={
+            "matches_plain_block": 5,
+            "inputs_without_grad": 2,
+            "dropout_replays": 4,
+            "saves_no_activations": 4,
+        },
+        call_timeout_s=60.0,
+        world_sizes=(),
+        budgets={"ci": 3, "public": 15, "grading": 60},
+        # What a checkpointed forward may keep beyond its outputs, as a fraction of what the plain block keeps.
+        held_fraction=0.25,
+        evidence={
+            "matches_plain_block": "outside: outputs and gradients compared in the grader's process",
+            "inputs_without_grad": "outside: outputs and gradients compared in the grader's process",
+            "dropout_replays": "outside: outputs and gradients compared in the grader's process",
+            "saves_no_activations": "in-process: tensors saved for backward, recorded in the worker",
+        },
+    ),
+    Problem(
         id="parallel.tensor_parallel",
         title="Tensor parallelism: column- and row-parallel layers, MLP and attention",
+        hours=5,
+        learns=(
+            "to split a block's weights across ranks with column- and row-parallel layers and one all-reduce each "
+            "way"
+        ),
         points={
             "column_parallel_linear": 3,
             "row_parallel_linear": 3,
@@ -686,6 +811,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.sequence_parallel",
         title="Sequence parallelism for the norm and dropout regions",
+        hours=4,
+        learns=(
+            "to split the norm and dropout regions along the sequence, turning the all-reduce into an all-gather "
+            "and a reduce-scatter"
+        ),
         points={
             "gather_and_reduce_scatter": 5,
             "block_matches_single_rank": 6,
@@ -706,6 +836,11 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.pipeline",
         title="Pipeline parallelism with GPipe and 1F1B schedules",
+        hours=6,
+        learns=(
+            "to split the model into stages and schedule micro-batches through them: GPipe, 1F1B and the bubble "
+            "they leave"
+        ),
         points={
             "bubble_fraction": 2,
             "gpipe_matches_single_process": 5,
@@ -732,6 +867,8 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.expert_parallel",
         title="Expert parallelism with all_to_all dispatch and combine",
+        hours=5,
+        learns="to place experts on different ranks and move tokens to them and back with all_to_all",
         points={
             "matches_single_rank": 8,
             "uneven_and_empty_experts": 5,
@@ -749,29 +886,10 @@ PROBLEMS: tuple[Problem, ...] = (
         },
     ),
     Problem(
-        id="parallel.activation_checkpointing",
-        title="Activation checkpointing",
-        points={
-            "matches_plain_block": 5,
-            "inputs_without_grad": 2,
-            "dropout_replays": 4,
-            "saves_no_activations": 4,
-        },
-        call_timeout_s=60.0,
-        world_sizes=(),
-        budgets={"ci": 3, "public": 15, "grading": 60},
-        # What a checkpointed forward may keep beyond its outputs, as a fraction of what the plain block keeps.
-        held_fraction=0.25,
-        evidence={
-            "matches_plain_block": "outside: outputs and gradients compared in the grader's process",
-            "inputs_without_grad": "outside: outputs and gradients compared in the grader's process",
-            "dropout_replays": "outside: outputs and gradients compared in the grader's process",
-            "saves_no_activations": "in-process: tensors saved for backward, recorded in the worker",
-        },
-    ),
-    Problem(
         id="parallel.accounting",
         title="Memory and communication accounting",
+        hours=3,
+        learns="to price a strategy before running it: memory per rank and bytes on the network",
         points={
             "bytes_per_parameter": 3,
             "communication_volume": 3,

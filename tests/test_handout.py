@@ -1,5 +1,6 @@
 """The handout: handout.pdf matches its sources, every problem has a section, and the freshness check notices edits."""
 
+import ast
 import shutil
 import textwrap
 
@@ -88,3 +89,43 @@ def test_contract_is_read_from_the_stub_without_importing_it(tmp_path):
     )
     assert compute["signature"] == "def compute(x: Tensor, /, k: int, *, exact: bool = True) -> Result:"
     assert compute["doc"] == "Compute it."
+
+
+def test_a_contract_line_wider_than_the_page_is_a_build_error_naming_its_line(tmp_path):
+    stub = tmp_path / "stub.py"
+    fits = "x" * build.CONTRACT_WIDTH
+    stub.write_text(f'def compute(x):\n    """Compute it.\n\n    {fits}\n    {fits}y\n    """\n')
+    with pytest.raises(build.BuildError) as error:
+        build.stub_contract(stub)
+    assert f"{stub}:5: {build.CONTRACT_WIDTH + 1} characters" in str(error.value)
+    assert f"{stub}:4:" not in str(error.value)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda problem: problem.id)
+def test_every_contract_line_fits_the_page(problem):
+    stub = ROOT / build.stub_path(problem)
+    source = stub.read_text()
+    overlong = build.overlong_lines(ast.parse(source), build.trailing_comments(source))
+    assert not overlong, f"{stub}: lines (number, characters) wider than {build.CONTRACT_WIDTH}: {overlong}"
+
+
+def test_the_deliverables_are_the_functions_and_methods_the_stub_does_not_give(tmp_path):
+    stub = tmp_path / "stub.py"
+    stub.write_text(textwrap.dedent('''
+        class Config(NamedTuple):
+            size: int
+
+        class Layer:
+            """A layer."""
+            def __init__(self, config: Config) -> None:
+                """Given: the parameters."""
+            def forward(self, x):
+                """Run it."""
+
+        def helper(x):
+            """Given: a conversion."""
+
+        def compute(x):
+            """Compute it."""
+    '''))
+    assert build.deliverables(build.stub_contract(stub)) == ["Layer.forward", "compute"]

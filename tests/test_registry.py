@@ -42,6 +42,14 @@ def test_problem_has_its_five_places(problem):
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
+def test_problem_says_what_it_teaches_and_how_long_it_takes(problem):
+    assert problem.hours is not None and problem.hours > 0, (
+        f"{problem.id}: give its entry `hours`, about how many hours the problem takes (the handout prints it)")
+    assert problem.learns.strip(), (
+        f'{problem.id}: give its entry `learns`, what the student learns, a phrase that follows "You learn"')
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
 def test_points_match_test_functions(problem):
     assert set(problem.points) == grader_test_groups(problem)
     assert all(points > 0 for points in problem.points.values())

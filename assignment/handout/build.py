@@ -3,9 +3,10 @@
     python -m assignment.handout.build            # compile handout.pdf at the repository root
     python -m assignment.handout.build --check    # exit 1 if handout.pdf is stale; writes nothing
 
-Everything the template shows about a problem comes from the registry (points, budgets, limits) and from the stub
-module in `student_impl/`, read with `ast` so that no student-facing code is imported. The data reaches typst as one
-JSON string in `sys.inputs.data`.
+Everything the template shows about a problem comes from the registry (points, budgets, limits, hours, what it
+teaches) and from the stub module in `student_impl/`, read with `ast` so that no student-facing code is imported. The
+data reaches typst as one JSON string in `sys.inputs.data`. A stub whose docstring or signature has a line wider than
+the handout prints without wrapping (CONTRACT_WIDTH) stops the build, which names the file and line.
 
 Freshness is a SHA-256 over every file that feeds the PDF, embedded in the PDF's keywords as `source-sha256:<hex>`.
 A hash and not modification times, because git does not keep mtimes: a fresh clone must still pass `--check`.
@@ -42,6 +43,9 @@ FAMILY_TITLES = {
 }
 # Signatures longer than this are split one parameter per line, so the code blocks fit the page.
 SIGNATURE_WIDTH = 88
+# The longest contract line the handout prints without wrapping, in characters: a docstring line without the
+# indentation it has in the source, or a line of a signature. The template sets each contract at a size that fits it.
+CONTRACT_WIDTH = 112
 
 HASH_PATTERN = re.compile(rb"source-sha256:([0-9a-f]{64})")
 
@@ -188,23 +192,68 @@ def trailing_comments(source: str) -> dict[int, str]:
     }
 
 
+def class_fields(node: ast.ClassDef) -> list[ast.AnnAssign]:
+    return [
+        statement
+        for statement in node.body
+        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name)
+    ]
+
+
+def field_line(statement: ast.AnnAssign, comments: dict[int, str]) -> str:
+    """An annotated field as the handout prints it, with the comment its author wrote beside it."""
+    field = f"    {statement.target.id}: {ast.unparse(statement.annotation)}"
+    if statement.value is not None:
+        field += f" = {ast.unparse(statement.value)}"
+    comment = comments.get(statement.end_lineno)
+    return f"{field}  {comment}" if comment else field
+
+
+def class_line(node: ast.ClassDef) -> str:
+    bases = [ast.unparse(base) for base in node.bases] + [ast.unparse(keyword) for keyword in node.keywords]
+    return f"class {node.name}({', '.join(bases)}):" if bases else f"class {node.name}:"
+
+
 def class_signature(node: ast.ClassDef, comments: dict[int, str]) -> str:
     """The class line and its annotated fields (a NamedTuple's fields, in order, with their comments)."""
     decorators = [f"@{ast.unparse(decorator)}\n" for decorator in node.decorator_list]
-    bases = [ast.unparse(base) for base in node.bases] + [ast.unparse(keyword) for keyword in node.keywords]
-    lines = [f"class {node.name}({', '.join(bases)}):" if bases else f"class {node.name}:"]
-    for statement in node.body:
-        if isinstance(statement, ast.AnnAssign) and isinstance(statement.target, ast.Name):
-            field = f"    {statement.target.id}: {ast.unparse(statement.annotation)}"
-            if statement.value is not None:
-                field += f" = {ast.unparse(statement.value)}"
-            comment = comments.get(statement.end_lineno)
-            lines.append(f"{field}  {comment}" if comment else field)
+    lines = [class_line(node)] + [field_line(statement, comments) for statement in class_fields(node)]
     return "".join(decorators) + "\n".join(lines)
 
 
 def docstring(node) -> str:
     return ast.get_docstring(node, clean=True) or ""
+
+
+def docstring_lines(node) -> list[tuple[int, str]]:
+    """The lines of a node's docstring as the handout prints them, each with its line number in the source."""
+    text = docstring(node)
+    if not text:
+        return []
+    raw_lines = node.body[0].value.value.split("\n")
+    # Cleaning drops the blank lines a docstring starts with.
+    first = next(index for index, line in enumerate(raw_lines) if line.strip())
+    return [(node.body[0].value.lineno + first + index, line) for index, line in enumerate(text.split("\n"))]
+
+
+def printed_lines(node, comments: dict[int, str]) -> list[tuple[int, str]]:
+    """The lines the handout prints for a module, function or class, each with its line number in the source."""
+    lines = docstring_lines(node)
+    if isinstance(node, ast.ClassDef):
+        lines.append((node.lineno, class_line(node)))
+        lines += [(statement.end_lineno, field_line(statement, comments)) for statement in class_fields(node)]
+    elif isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        lines += [(node.lineno, line) for line in function_signature(node).split("\n")]
+    return lines
+
+
+def overlong_lines(module: ast.Module, comments: dict[int, str]) -> list[tuple[int, int]]:
+    """(source line, width) of every docstring and signature line of the module wider than CONTRACT_WIDTH."""
+    nodes = [module] + [
+        node for node in ast.walk(module) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
+    ]
+    printed = [line for node in nodes for line in printed_lines(node, comments)]
+    return sorted({(number, len(line)) for number, line in printed if len(line) > CONTRACT_WIDTH})
 
 
 def stub_contract(path: Path) -> dict:
@@ -215,16 +264,26 @@ def stub_contract(path: Path) -> dict:
     except SyntaxError as error:
         raise BuildError(f"{path} does not parse: {error}") from error
     comments = trailing_comments(source)
+    overlong = overlong_lines(module, comments)
+    if overlong:
+        lines = "".join(f"\n  {path}:{number}: {width} characters" for number, width in overlong)
+        raise BuildError(f"contract lines wider than the {CONTRACT_WIDTH} characters the handout prints without "
+                         f"wrapping (a docstring line counts without its indentation in the source):{lines}")
     items = []
     for node in module.body:
         if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_public(node.name):
-            items.append(
-                {"name": node.name, "signature": function_signature(node), "doc": docstring(node), "methods": []}
-            )
+            items.append({
+                "name": node.name,
+                "kind": "function",
+                "signature": function_signature(node),
+                "doc": docstring(node),
+                "methods": [],
+            })
         elif isinstance(node, ast.ClassDef) and is_public(node.name):
             methods = [
                 {
                     "name": f"{node.name}.{method.name}",
+                    "kind": "method",
                     "signature": function_signature(method),
                     "doc": docstring(method),
                 }
@@ -232,8 +291,17 @@ def stub_contract(path: Path) -> dict:
                 if isinstance(method, (ast.FunctionDef, ast.AsyncFunctionDef)) and is_public(method.name)
             ]
             signature = class_signature(node, comments)
-            items.append({"name": node.name, "signature": signature, "doc": docstring(node), "methods": methods})
+            items.append(
+                {"name": node.name, "kind": "class", "signature": signature, "doc": docstring(node), "methods": methods}
+            )
     return {"module_doc": docstring(module), "items": items}
+
+
+def deliverables(contract: dict) -> list[str]:
+    """The functions and methods a student writes, in the stub's order: all but those whose docstring starts with
+    "Given" (code the stub gives, such as constructors that pin parameter names)."""
+    entries = [entry for item in contract["items"] for entry in [item, *item["methods"]]]
+    return [entry["name"] for entry in entries if entry["kind"] != "class" and not entry["doc"].startswith("Given")]
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -244,6 +312,10 @@ def problem_data(root: Path, problem) -> dict:
     section = section_path(problem)
     if not (root / HANDOUT_DIR / section).is_file():
         raise BuildError(f"handout section {(HANDOUT_DIR / section).as_posix()} of problem {problem.id} is missing")
+    if problem.hours is None or not problem.learns:
+        raise BuildError(f"problem {problem.id} needs `hours` and `learns` in {REGISTRY.as_posix()}: the handout "
+                         "opens the problem with both")
+    contract = stub_contract(root / stub_path(problem))
     speed = None
     if problem.speed is not None:
         speed_points = problem.points.get("speed", 0)
@@ -275,7 +347,10 @@ def problem_data(root: Path, problem) -> dict:
         "world_sizes": list(problem.world_sizes),
         "error_multiple": problem.error_multiple,
         "floor_ulps": problem.floor_ulps,
-        "contract": stub_contract(root / stub_path(problem)),
+        "hours": problem.hours,
+        "learns": problem.learns,
+        "contract": contract,
+        "deliverables": deliverables(contract),
     }
 
 

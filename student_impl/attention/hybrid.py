@@ -4,29 +4,32 @@ The stack (pinned; no embedding, no MLP, no positional encoding), for x of shape
     for i in range(n_layers):
         x = x + mixer_i(norm_i(x))           # norm_i(x) = rms_norm(x) * layers[i].norm.weight
     y = rms_norm(x) * final_norm.weight
-Layer i (0-based) is causal softmax attention iff i % attention_every == attention_every - 1, else Gated DeltaNet:
-with the defaults (8 layers, attention_every 4) the pattern is L L L A L L L A, three linear layers to one attention
-layer. Blocks have no MLP, so that the problem stays about the two mixers and their caches.
+Layer i (0-based) is causal softmax attention iff i % attention_every == attention_every - 1, else Gated
+DeltaNet: with the defaults (8 layers, attention_every 4) the pattern is L L L A L L L A, three linear layers to
+one attention layer. Blocks have no MLP, so that the problem stays about the two mixers and their caches.
 
 Why a hybrid: a Gated DeltaNet layer carries a fixed-size state per head ([head_dim, head_dim]), so its decoding
 memory and cost per token do not grow with the context; an attention layer keeps every past key and value (its
-cache grows linearly) but recalls any of them exactly. A few attention layers among many linear ones keep most of
-the recall at a fraction of the cache.
+cache grows linearly) but recalls any of them exactly. A few attention layers among many linear ones keep most
+of the recall at a fraction of the cache.
 
-Dtypes (pinned). The model's dtype is its parameters' (float32 or bfloat16 are graded; a float64 model computes in
-float64 throughout, which the grader may use as an exact evaluation); x is given in the model's dtype and on its
-device (CPU or CUDA). The accumulation dtype is float64 for a float64 model and float32 otherwise (see
-`_accumulation_dtype`). Projections (nn.Linear) run in the model's dtype; their outputs are cast to the
-accumulation dtype, every norm, gate, recurrence, score, softmax and weighted sum runs there, and each mixer's
-output is rounded to the model's dtype once, just before its `o_proj`. Residual additions are in the model's dtype.
+Dtypes (pinned). The model's dtype is its parameters' (float32 or bfloat16 are graded; a float64 model
+computes in float64 throughout, which the grader may use as an exact evaluation); x is given in the model's
+dtype and on its device (CPU or CUDA). The accumulation dtype is float64 for a float64 model and float32
+otherwise (see `_accumulation_dtype`). Projections (nn.Linear) run in the model's dtype; their outputs are
+cast to the accumulation dtype, every norm, gate, recurrence, score, softmax and weighted sum runs there,
+and each mixer's output is rounded to the model's dtype once, just before its `o_proj`. Residual additions
+are in the model's dtype.
 
 Memory: cache_bytes(cache) = (number of GDN layers) * B * n_heads * head_dim^2 * 4
-                            + (number of attention layers) * 2 * B * n_heads * t * head_dim * (model element size)
+                            + (number of attention layers) * 2 * B * n_heads * t * head_dim
+                              * (model element size)
 after t tokens (float32 and bfloat16 models; 8 bytes per state element for a float64 model).
 
-Parameter names are pinned (the grader loads a state_dict into your module): every `__init__` here is given, fully
-written; keep it as it is. What is left to you: the two mixers' forward, the stack's forward, prefill and decode,
-and cache_bytes. Any torch operator may be used (torch.nn.functional.scaled_dot_product_attention included).
+Parameter names are pinned (the grader loads a state_dict into your module): every `__init__` here is given,
+fully written; keep it as it is. What is left to you: the two mixers' forward, the stack's forward, prefill
+and decode, and cache_bytes. Any torch operator may be used
+(torch.nn.functional.scaled_dot_product_attention included).
 """
 
 from __future__ import annotations
@@ -52,7 +55,8 @@ class HybridConfig:
         attention; more than n_layers: none is).
     eps: the RMSNorm epsilon.
 
-    Raises ValueError (in __post_init__) if d_model, n_heads, head_dim or n_layers is below 1, or attention_every < 1.
+    Raises ValueError (in __post_init__) if d_model, n_heads, head_dim or n_layers is below 1, or
+    attention_every < 1.
     """
 
     d_model: int = 64
@@ -136,7 +140,7 @@ class GatedDeltaNet(nn.Module):
         v_t    = v_proj(x)_t                              [head_dim]
         g_t    = -softplus(g_proj(x)_t)                   scalar, the log of the decay (<= 0): the decay is exp(g_t)
         beta_t = sigmoid(beta_proj(x)_t)                  scalar in (0, 1), the delta rule's step size
-        S_t    = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T      [head_dim (keys), head_dim (values)]
+        S_t    = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T   [head_dim (keys), head_dim (values)]
         o_t    = S_t^T q_t                                [head_dim], read after the update, so token t sees itself
     S_0 is the given state, or zeros. The heads' outputs o_t are concatenated in head order, rounded to the model's
     dtype, and projected by o_proj. Equivalently, with S' = exp(g_t) S_{t-1} (decay first), the update is
@@ -193,8 +197,8 @@ class CausalSelfAttention(nn.Module):
     attends to every key j <= i, the cached ones included:
         o_i = sum_{j <= i} softmax_j(q_i . k_j / sqrt(head_dim)) v_j
     scores, softmax and weighted sum in the accumulation dtype; the heads' outputs are concatenated in head order,
-    rounded to the model's dtype and projected by o_proj. No positional encoding: the Gated DeltaNet layers carry the
-    order of the tokens.
+    rounded to the model's dtype and projected by o_proj. No positional encoding: the Gated DeltaNet layers carry
+    the order of the tokens.
 
     Parameters (given): `q_proj`, `k_proj`, `v_proj` nn.Linear(d_model, n_heads * head_dim, bias=False); `o_proj`
     nn.Linear(n_heads * head_dim, d_model, bias=False).

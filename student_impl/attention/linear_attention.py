@@ -9,8 +9,8 @@ def linear_attention_parallel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor)
     """Causal linear attention as the masked quadratic form, in plain PyTorch.
 
     o = (phi(Q) phi(K)^T * M) V for each batch and head, with phi(x) = elu(x) + 1 applied elementwise to q and k by
-    this function, and M the causal mask (M[i, j] = 1 iff j <= i). This is the only one of the three forms allowed to
-    build the T x T matrix of scores. Conventions, arguments, result and errors: as `linear_attention_chunked`.
+    this function, and M the causal mask (M[i, j] = 1 iff j <= i). This is the only one of the three forms allowed
+    to build the T x T matrix of scores. Conventions, arguments, result and errors: as `linear_attention_chunked`.
     """
     raise NotImplementedError
 
@@ -30,8 +30,9 @@ class LinearAttentionFunction(torch.autograd.Function):
 
     forward(ctx, q, k, v, chunk_size) -> o
         Launches your Triton kernels for the chunked form. The tokens are cut into N = ceil(T / C) chunks of
-        C = chunk_size (the last one may be shorter: mask it). With Q' = phi(Q), K' = phi(K) and S_c the state before
-        chunk c (the sum of phi(k_j) v_j^T over the tokens of the earlier chunks; S_0 = 0), the outputs of chunk c are
+        C = chunk_size (the last one may be shorter: mask it). With Q' = phi(Q), K' = phi(K) and S_c the
+        state before chunk c (the sum of phi(k_j) v_j^T over the tokens of the earlier chunks; S_0 = 0), the
+        outputs of chunk c are
             O_c = Q'_c S_c + (Q'_c K'_c^T * M) V_c,
         the masked quadratic form inside the chunk plus the contribution of everything before it. A sensible split:
         one kernel computes the chunk-boundary states S_0 .. S_{N-1} (one program per batch*head and block of the

@@ -19,9 +19,10 @@ def matmul(a: torch.Tensor, b: torch.Tensor, activation: str | None = None) -> t
     Args:
         a: shape (M, K), M >= 1, K >= 1.
         b: shape (K, N), N >= 1. Both 2-D only (no batch dims). Any M, N, K, however they fall against your block
-            sizes (e.g. M = 129, N = 1, K = 1000): mask the edges. Any strides: transposed (`x.T`), sliced
-            (`x[:, ::2]`) and offset views are valid inputs. Both float32, float16 or bfloat16, the same dtype for
-            both. On the same device: a CUDA device, or the CPU when Triton's interpreter is on (TRITON_INTERPRET=1).
+            sizes (e.g. M = 129, N = 1, K = 1000): mask the edges. Any strides: transposed (`x.T`),
+            sliced (`x[:, ::2]`) and offset views are valid inputs. Both float32, float16 or bfloat16,
+            the same dtype for both. On the same device: a CUDA device, or the CPU when Triton's
+            interpreter is on (TRITON_INTERPRET=1).
         activation: None, or "gelu" to apply GeLU (the tanh formula above) to the float32 accumulator inside the
             kernel, before the result is rounded and stored (a fused epilogue: no second pass over C). Either way a
             call launches exactly one Triton kernel.

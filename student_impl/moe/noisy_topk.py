@@ -42,7 +42,8 @@ def noisy_topk_route(
         Top-k: each token keeps the k experts of largest noisy logit, listed by descending noisy logit; among equal
             logits the lower expert index ranks first. (torch.topk makes no such promise for ties.)
         Gates: a softmax over the k kept noisy logits only (the others count as -inf):
-            gate_TK[t, j] = exp(H[t, e_j]) / sum_j' exp(H[t, e_j']), H = noisy_logits_TE, e_j = expert_index_TK[t, j].
+            gate_TK[t, j] = exp(H[t, e_j]) / sum_j' exp(H[t, e_j']),
+                H = noisy_logits_TE, e_j = expert_index_TK[t, j].
             This equals a softmax over all E logits whose top k are then renormalised to sum to 1, but not the
             unrenormalised top k of a softmax over all E.
 

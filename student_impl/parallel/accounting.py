@@ -1,7 +1,7 @@
 """Memory and communication accounting for data, ZeRO, tensor and sequence parallelism, as closed-form formulas.
 
-Pure functions: no ranks, no tensors. Arguments are Python ints (and a str or bool where stated); invalid arguments
-raise ValueError (a bool is not an accepted integer).
+Pure functions: no ranks, no tensors. Arguments are Python ints (and a str or bool where stated); invalid
+arguments raise ValueError (a bool is not an accepted integer).
 """
 
 from __future__ import annotations
@@ -32,8 +32,8 @@ def bytes_per_parameter(strategy: str, world_size: int) -> BytesPerParameter:
     mixed-precision Adam.
 
     Per parameter the model state is 2 bytes of bf16 parameter, 2 bytes of bf16 gradient, and 12 bytes of fp32
-    optimizer state (master parameter, Adam's first and second moments, 4 bytes each): 16 bytes.
-    `strategy` says which of the three kinds is split evenly across the N ranks (a sharded kind costs its bytes / N):
+    optimizer state (master parameter, Adam's first and second moments, 4 bytes each): 16 bytes. `strategy` says
+    which of the three kinds is split evenly across the N ranks (a sharded kind costs its bytes / N):
       "ddp":   nothing sharded                              -> 2 + 2 + 12     = 16
       "zero1": optimizer state sharded                      -> 2 + 2 + 12/N   = 4 + 12/N
       "zero2": optimizer state and gradients sharded        -> 2 + 2/N + 12/N = 2 + 14/N

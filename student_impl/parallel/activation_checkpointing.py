@@ -9,14 +9,14 @@ def checkpoint(block: torch.nn.Module, *inputs: torch.Tensor):
     """Run `block(*inputs)` so that its internal activations are recomputed during backward instead of saved.
 
     Arguments:
-      * `block`: any module whose forward takes the tensors `inputs` and returns a tensor or a tuple of tensors. It may
-        contain dropout (or draw random numbers otherwise) and have parameters, some with `requires_grad=False`.
+      * `block`: any module whose forward takes the tensors `inputs` and returns a tensor or a tuple of tensors. It
+        may contain dropout (or draw random numbers otherwise) and have parameters, some with `requires_grad=False`.
       * `inputs`: tensors on one device (CPU, or one CUDA device). Some, all or none require grad.
 
     Returns what `block(*inputs)` returns (the same values: bit for bit on the CPU), as new tensors whose autograd
     graph leads back to `inputs` and to the block's parameters. When grad mode is enabled and any input or any
-    parameter of the block requires grad, every floating-point output requires grad, even if no input does (the first
-    block of a network gets data that does not).
+    parameter of the block requires grad, every floating-point output requires grad, even if no input does (the
+    first block of a network gets data that does not).
 
     Contract:
       * Forward runs `block` once, under `torch.no_grad()`. Between forward and backward the only tensors kept are

@@ -1,21 +1,22 @@
 """Collective operations built from point-to-point messages: trees for the rooted ones, rings for the rest.
 
 Rules for every function of this module:
-  * Communicate ONLY with torch.distributed's send, recv, isend, irecv and batch_isend_irecv (with P2POp). Calling
-    any torch.distributed collective (broadcast, all_reduce, all_gather, barrier, ...) fails the test, and so does
-    reaching one another way: a ProcessGroup's own methods (`group.allreduce(...)`),
+  * Communicate ONLY with torch.distributed's send, recv, isend, irecv and batch_isend_irecv (with P2POp).
+    Calling any torch.distributed collective (broadcast, all_reduce, all_gather, barrier, ...) fails the test,
+    and so does reaching one another way: a ProcessGroup's own methods (`group.allreduce(...)`),
     torch.distributed._functional_collectives or the dispatcher's ops (`torch.ops.c10d.*`,
     `torch.ops._c10d_functional.*`).
-  * `group` is a torch.distributed ProcessGroup, or None for the default (world) group. Use only that group: this
-    rank is `dist.get_rank(group)` of `dist.get_world_size(group)` = N ranks. `src`, `dst` and list indices are
-    ranks WITHIN the group (torch.distributed's own `src` is a global rank; here it is what torch calls
+  * `group` is a torch.distributed ProcessGroup, or None for the default (world) group. Use only that group:
+    this rank is `dist.get_rank(group)` of `dist.get_world_size(group)` = N ranks. `src`, `dst` and list indices
+    are ranks WITHIN the group (torch.distributed's own `src` is a global rank; here it is what torch calls
     `group_src`). To address group rank i in send/recv/P2POp, pass `group=group` and the global rank
     `dist.get_global_rank(group, i)` (just i when group is None).
   * Every rank of the group calls the function with the same src/dst/op and tensors of the same shapes and
     dtypes. Tensors are contiguous and live on this rank's device (CPU with gloo, the rank's GPU with NCCL).
   * op is `dist.ReduceOp.SUM` or `dist.ReduceOp.MAX`; any other op raises ValueError.
-  * Never send to yourself (copy locally instead), and send each piece of data only as often as the stated byte
-    bound allows: the grader sums the bytes of every send/isend (and of the isends in batch_isend_irecv) per rank.
+  * Never send to yourself (copy locally instead), and send each piece of data only as often as the stated
+    byte bound allows: the grader sums the bytes of every send/isend (and of the isends in
+    batch_isend_irecv) per rank.
   * Invalid arguments raise ValueError on every rank, before any communication: src/dst outside [0, N), an
     unsupported op, a tensor list whose length is not N (checked on the rank that uses the list), list tensors
     whose shape or dtype differs from `tensor`'s (scatter, gather, all_gather), a reduce_scatter output of the

@@ -38,8 +38,8 @@ class DDP(torch.nn.Module):
       * One all-reduce per parameter: gradients are not bucketed.
       * Exactly one backward runs between two calls to `finish_gradient_synchronization()`, and every parameter that
         requires grad receives a gradient in every backward (no detection of unused parameters is needed).
-      * `self.module` is `module` itself, the object given (as in torch's DistributedDataParallel): code that unwraps
-        a trained model reads it.
+      * `self.module` is `module` itself, the object given (as in torch's DistributedDataParallel): code that
+        unwraps a trained model reads it.
       * `forward` returns exactly what `module` returns for the same arguments.
       * Do not use torch's DistributedDataParallel or FSDP.
     """

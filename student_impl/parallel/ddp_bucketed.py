@@ -1,4 +1,5 @@
-"""Data parallelism with gradient buckets: one all-reduce per bucket of gradients, issued as soon as it is complete."""
+"""Data parallelism with gradient buckets: one all-reduce per bucket of gradients,
+issued as soon as it is complete."""
 
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ class BucketedDDP(torch.nn.Module):
         gradients. Walk them, adding each to the current bucket; when the current bucket is non-empty and adding the
         next parameter would take its size past `bucket_size_mb * 2**20` bytes, close it and start a new bucket with
         that parameter. A parameter's size is `numel() * element_size()` bytes. So a parameter larger than the limit
-        gets a bucket of its own, and a limit larger than the whole model gives one bucket. A bucket holds parameters
-        of one dtype only: when the next parameter's dtype differs from the current bucket's, the current bucket
-        closes (as if full) and that parameter starts a new one, so no gradient is cast to join a bucket.
+        gets a bucket of its own, and a limit larger than the whole model gives one bucket. A bucket holds
+        parameters of one dtype only: when the next parameter's dtype differs from the current bucket's, the current
+        bucket closes (as if full) and that parameter starts a new one, so no gradient is cast to join a bucket.
       * Per backward, exactly one all-reduce per bucket, of one tensor holding the bucket's gradients concatenated
         (its size in bytes is the sum of the bucket's parameter sizes), issued with `async_op=True` during backward
         from `Tensor.register_post_accumulate_grad_hook` hooks, at the moment the last gradient of the bucket
@@ -45,8 +46,8 @@ class BucketedDDP(torch.nn.Module):
       * A parameter with `requires_grad=False` gets no hook and no communication; its `.grad` stays None.
       * Exactly one backward runs between two calls to `finish_gradient_synchronization()`, and every parameter that
         requires grad receives a gradient in every backward.
-      * `self.module` is `module` itself, the object given (as in torch's DistributedDataParallel): code that unwraps
-        a trained model reads it.
+      * `self.module` is `module` itself, the object given (as in torch's DistributedDataParallel): code that
+        unwraps a trained model reads it.
       * `forward` returns exactly what `module` returns for the same arguments.
       * Do not use torch's DistributedDataParallel or FSDP.
     """

@@ -57,9 +57,9 @@ def expert_parallel_moe(
          where it is weighted by its gate and added into its token's row of y_TD.
       The backward pass communicates along the same routes reversed (all_to_all_single again; torch's collectives
       have no autograd, so wrap them in a torch.autograd.Function). The token rows a rank receives in one pass may
-      total at most 1.25 x the minimum (the rows routed to its experts plus its own T * k results) plus 256 bytes and
-      16 N E bytes for counts; gathering every token on every rank exceeds that. Use all_to_all_single (gloo does
-      not implement the list form dist.all_to_all).
+      total at most 1.25 x the minimum (the rows routed to its experts plus its own T * k results) plus 256 bytes
+      and 16 N E bytes for counts; gathering every token on every rank exceeds that. Use all_to_all_single (gloo
+      does not implement the list form dist.all_to_all).
 
     Raises:
         ValueError: if num_experts is not divisible by N, or w_in_EDH or w_out_EHD does not hold E/N experts.

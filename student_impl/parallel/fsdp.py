@@ -12,8 +12,9 @@ class FSDP(torch.nn.Module):
     Environment (set up by the caller, not by you):
       * torch.distributed is initialised. Use only `group` (None: the default world group), with this rank's index
         `dist.get_rank(group)` and `W = dist.get_world_size(group)`, so the wrapper composes with other parallelism.
-      * `module` is on this rank's device (CPU with gloo, one GPU per rank with NCCL), in float32, with identical
-        parameters on every rank (no broadcast is needed). Each rank feeds it its own equal-sized shard of the batch.
+      * `module` is on this rank's device (CPU with gloo, one GPU per rank with NCCL), in float32, with
+        identical parameters on every rank (no broadcast is needed). Each rank feeds it its own
+        equal-sized shard of the batch.
 
     Units:
       * Every direct child of `module` (`module.named_children()`) that holds a parameter with requires_grad=True is
@@ -35,16 +36,16 @@ class FSDP(torch.nn.Module):
         loss.backward()
         optimizer.step(); optimizer.zero_grad()
       * Forward: before a unit's forward, all-gather its flat parameter (one all_gather_into_tensor or all_gather
-        per unit) and point the unit's parameter attributes at views of the gathered tensor; after the unit's forward,
-        free the gathered storage. Autograd still refers to the views it saved: free the storage itself
+        per unit) and point the unit's parameter attributes at views of the gathered tensor; after the unit's
+        forward, free the gathered storage. Autograd still refers to the views it saved: free the storage itself
         (`tensor.untyped_storage().resize_(0)`), not just your reference.
       * Backward: before the unit's backward, all-gather its flat parameter again (one per unit) into storage that
         autograd's saved views see; once the unit's gradients are complete, free it, and reduce-scatter the unit's
         full flat gradient (one reduce_scatter_tensor or reduce_scatter per unit, issued during backward) so that
-        each rank gets its shard of the sum over the group's ranks, then divide by W: the shard's `.grad` (float32, S
-        elements, accumulated into an existing `.grad` as autograd would) is the average over ranks, exactly the
-        full-batch gradient. Padding elements get gradient zero. When `loss.backward()` returns every shard's
-        `.grad` is final.
+        each rank gets its shard of the sum over the group's ranks, then divide by W: the shard's `.grad`
+        (float32, S elements, accumulated into an existing `.grad` as autograd would) is the average over ranks,
+        exactly the full-batch gradient. Padding elements get gradient zero. When `loss.backward()` returns every
+        shard's `.grad` is final.
       * No other collective is issued during forward and backward (no all_reduce). At most two units' parameters
         are gathered at any moment: the grader measures each rank's peak tensor bytes during a step and allows
         4 x (the largest unit's gathered bytes) + twice the activations' bytes above what the rank held before it.

@@ -1,13 +1,13 @@
 """Sequence parallelism for the norm and dropout regions of a tensor-parallel MLP block.
 
-Environment (set up by the caller, not by you): torch.distributed is initialised (gloo on CPU, NCCL with one GPU per
-rank). Every function and class takes `group`: the process group of the tensor-parallel ranks, None meaning the
-default (world) group. Use only that group: pass it to every collective, and take this rank's index r and the number
-of ranks N from `dist.get_rank(group)` and `dist.get_world_size(group)`.
+Environment (set up by the caller, not by you): torch.distributed is initialised (gloo on CPU, NCCL with one GPU
+per rank). Every function and class takes `group`: the process group of the tensor-parallel ranks, None meaning
+the default (world) group. Use only that group: pass it to every collective, and take this rank's index r and
+the number of ranks N from `dist.get_rank(group)` and `dist.get_world_size(group)`.
 
-Layout: activations are [B, T, D] (batch, sequence, features), the sequence is dimension 1. In the sequence-parallel
-regions rank r holds tokens r*T/N..(r+1)*T/N of every sequence, [B, T/N, D], written x_local_BtD (t = T/N); T must
-be divisible by N, every rank holds the same number of tokens.
+Layout: activations are [B, T, D] (batch, sequence, features), the sequence is dimension 1. In the
+sequence-parallel regions rank r holds tokens r*T/N..(r+1)*T/N of every sequence, [B, T/N, D], written
+x_local_BtD (t = T/N); T must be divisible by N, every rank holds the same number of tokens.
 
 This module is self-contained: write its column- and row-parallel pieces here (do not import other problems).
 Do not use torch.distributed.tensor (DTensor, parallelize_module) or torch.distributed.nn.
@@ -24,10 +24,10 @@ def gather_sequence(x_local_BtD: Tensor, group: dist.ProcessGroup | None = None)
     """All-gather along the sequence: [B, t, D] on each rank -> [B, N*t, D], the ranks' shards in rank order.
 
     Forward: exactly one all-gather (`dist.all_gather_into_tensor` or `dist.all_gather`). Backward (write it as a
-    torch.autograd.Function): every rank's [B, T, D] gradient is a partial sum; rank r's input gradient is the sum over
-    ranks of their gradients' tokens r*t..(r+1)*t, computed with exactly one reduce-scatter
-    (`dist.reduce_scatter_tensor` or `dist.reduce_scatter`). No all-reduce.
-    ValueError if x_local_BtD is not 3-D. The argument is not modified.
+    torch.autograd.Function): every rank's [B, T, D] gradient is a partial sum; rank r's input gradient is the sum
+    over ranks of their gradients' tokens r*t..(r+1)*t, computed with exactly one reduce-scatter
+    (`dist.reduce_scatter_tensor` or `dist.reduce_scatter`). No all-reduce. ValueError if x_local_BtD is not 3-D.
+    The argument is not modified.
     """
     raise NotImplementedError
 
@@ -37,8 +37,8 @@ def reduce_scatter_sequence(x_BTD: Tensor, group: dist.ProcessGroup | None = Non
     ranks of their tokens r*T/N..(r+1)*T/N.
 
     Forward: exactly one reduce-scatter (`dist.reduce_scatter_tensor` or `dist.reduce_scatter`), never an all-reduce
-    (each rank receives only its shard of the sum). Backward (an autograd.Function): the [B, T/N, D] gradients of all
-    ranks are all-gathered along the sequence into the [B, T, D] input gradient, with exactly one all-gather.
+    (each rank receives only its shard of the sum). Backward (an autograd.Function): the [B, T/N, D] gradients of
+    all ranks are all-gathered along the sequence into the [B, T, D] input gradient, with exactly one all-gather.
     ValueError if x_BTD is not 3-D or T % N != 0. The argument is not modified.
     """
     raise NotImplementedError

@@ -1,20 +1,20 @@
 """Megatron-style tensor parallelism: column- and row-parallel linear layers, an MLP and an attention block.
 
-Environment (set up by the caller, not by you): torch.distributed is initialised (gloo on CPU, NCCL with one GPU per
-rank). Every function and class takes `group`: the process group of the tensor-parallel ranks, None meaning the
-default (world) group. Use only that group: pass it to every collective, and take this rank's index and the number of
-ranks N from `dist.get_rank(group)` and `dist.get_world_size(group)`. Every rank of the group calls the same
-constructors with the same full weights, and the same forward and backward.
+Environment (set up by the caller, not by you): torch.distributed is initialised (gloo on CPU, NCCL with one GPU
+per rank). Every function and class takes `group`: the process group of the tensor-parallel ranks, None meaning
+the default (world) group. Use only that group: pass it to every collective, and take this rank's index and the
+number of ranks N from `dist.get_rank(group)` and `dist.get_world_size(group)`. Every rank of the group calls
+the same constructors with the same full weights, and the same forward and backward.
 
 The conjugate pair (write each as a torch.autograd.Function):
   * f = `copy_to_tensor_parallel_region`: forward is the identity; backward all-reduces (sums) the gradient.
   * g = `reduce_from_tensor_parallel_region`: forward all-reduces (sums) the input; backward is the identity.
 Neither modifies its argument in place.
 
-Sharding (r = this rank's index in `group`, N = its size; constructors copy their shard out of the full weights they
-are given, and keep parameters with the same device and dtype):
-  * ColumnParallelLinear(linear): `weight` = linear.weight[r*O/N:(r+1)*O/N] ([O/N, I]), `bias` = the same rows of
-    linear.bias ([O/N]), or None when linear.bias is None. O % N != 0 raises ValueError.
+Sharding (r = this rank's index in `group`, N = its size; constructors copy their shard out of the full weights
+they are given, and keep parameters with the same device and dtype):
+  * ColumnParallelLinear(linear): `weight` = linear.weight[r*O/N:(r+1)*O/N] ([O/N, I]), `bias` = the same rows
+    of linear.bias ([O/N]), or None when linear.bias is None. O % N != 0 raises ValueError.
   * RowParallelLinear(linear): `weight` = linear.weight[:, r*I/N:(r+1)*I/N] ([O, I/N]); `bias` = the full
     linear.bias ([O], replicated on every rank), or None. I % N != 0 raises ValueError.
 Parameters are `nn.Parameter`s that require grad, registered under exactly the names given (the grader reads
@@ -23,8 +23,9 @@ Parameters are `nn.Parameter`s that require grad, registered under exactly the n
 Communication, exactly (the grader counts every collective, and its bytes):
   * ColumnParallelLinear: none in forward; one all-reduce of the input gradient (f) in backward.
   * RowParallelLinear: one all-reduce of the [..., O] output in forward (g); none in backward.
-  * TensorParallelMLP and TensorParallelAttention: one all-reduce of the [..., D] output in forward, one of the
-    [..., D] input gradient in backward. Nothing else: no all-reduce between the two linear layers, no broadcast.
+  * TensorParallelMLP and TensorParallelAttention: one all-reduce of the [..., D] output in forward, one
+    of the [..., D] input gradient in backward. Nothing else: no all-reduce between the two linear
+    layers, no broadcast.
 No collective in constructors is required (every rank already holds the same full weights); the grader does not
 count them there.
 Do not use torch.distributed.tensor (DTensor, parallelize_module) or torch.distributed.nn.
@@ -112,9 +113,9 @@ class TensorParallelAttention(torch.nn.Module):
     """Multi-head self-attention with the heads split across the ranks of `group`.
 
     The single-rank module it reproduces, for x of shape [B, T, D], H = num_heads heads of size d = D/H:
-        q, k, v = (x @ qkv.weight.T + qkv.bias).split(D, dim=-1)   # each [B, T, D], head h in columns h*d..(h+1)*d
-        per head: softmax(q_h k_h^T / sqrt(d) + mask) v_h           # mask: -inf above the diagonal if causal, else 0
-        out = concat_heads(...) @ proj.weight.T + proj.bias         # heads concatenated in order, [B, T, D]
+        q, k, v = (x @ qkv.weight.T + qkv.bias).split(D, dim=-1)  # each [B, T, D], head h in columns h*d..(h+1)*d
+        per head: softmax(q_h k_h^T / sqrt(d) + mask) v_h          # mask: -inf above the diagonal if causal, else 0
+        out = concat_heads(...) @ proj.weight.T + proj.bias        # heads concatenated in order, [B, T, D]
     No dropout. qkv: Linear(D, 3D), proj: Linear(D, D), each with or without bias.
 
     Rank r computes heads r*H/N..(r+1)*H/N (each head whole: split the heads, never the head dimension d).

@@ -47,8 +47,8 @@ class ZeRO2(torch.nn.Module):
       * `zero_grad()` sets the gradients of the owned parameters to None.
       * Exactly one backward runs between two calls to `finish_gradient_synchronization()`, and every parameter that
         requires grad receives a gradient in every backward.
-      * `self.module` is `module` itself, the object given (as in torch's DistributedDataParallel): code that unwraps
-        a trained model reads it.
+      * `self.module` is `module` itself, the object given (as in torch's DistributedDataParallel): code that
+        unwraps a trained model reads it.
       * `forward` returns exactly what `module` returns for the same arguments.
       * Do not use torch's DistributedDataParallel, FSDP or ZeroRedundancyOptimizer.
     """
