@@ -11,8 +11,8 @@ b_i = g_1 + ... + g_i (cumulated from the chunk's first token):
     o      = exp(b) * (Q S) + (Q K^T * exp(b_i - b_j) [j <= i]) v_new
     S_next = exp(b_C) S + (exp(b_C - b) * K)^T v_new.
 Every exponent is masked before it is taken and is then <= 0: g = -20 for thousands of tokens underflows to exact
-zeros, never to inf or nan. (I + A) is inverted by forward substitution on its 16 x 16 diagonal blocks, which are
-then joined two by two: the inverse of [[X, 0], [Y, Z]] is [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]].
+zeros, never to inf or nan. (I + A) is inverted by forward substitution on its 16 x 16 diagonal blocks, all at once,
+which are then joined two by two: the inverse of [[X, 0], [Y, Z]] is [[X^-1, 0], [-Z^-1 Y X^-1, Z^-1]].
 
 Forward, per (batch, head), for n tokens with key width dk and value width dv:
     _prepare_kernel, one program per chunk: reads k, v, g, beta; writes b (float32), w and u (n x dk, n x dv);
@@ -96,25 +96,31 @@ def check_arguments(q, k, v, g, beta, initial_state=None, chunk_size=None) -> No
 # Block sizes and warps. BLOCK_V, BLOCK_K: value and key columns per program of the kernels parallel over chunks
 # that split them; STEP_V, STEP_K: the columns the backward kernels take per step of their loops; SCAN_V: value
 # columns per program of the walks over the chunks (_state_kernel, _state_grad_kernel), which run one program per
-# (batch, head, value block), so that narrow blocks give more programs to hide each step's latency. Chosen so that
+# (batch, head, value block), so that narrow blocks give more programs to hide each step's latency. SOLVE_WARPS:
+# the kernels that invert (I + A) (_prepare_kernel, _grad_wy_kernel), whose time is a chain of dependent steps that
+# synchronise every warp of the program: four warps in half precision took them from 2.86 and 2.41 ms to 1.32 and
+# 1.21 ms (forward and backward, T = 16384, widths 64, H200), with the same errors. The other kernels parallel over
+# chunks stay at eight: at four, Triton 3.6 gave dk errors ten times larger in both half precisions. Chosen so that
 # no kernel spills more than a few registers at key and value widths 64 and 128 in bfloat16 on sm_90; float32 tiles
 # take twice the shared memory, so there the walks keep two stages of their loads, not three. Under the interpreter
 # the blocks are small so that short tests cross them.
 def _config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_K=min(key_dim, 16), BLOCK_V=min(value_dim, 16), STEP_K=min(key_dim, 16),
-                    STEP_V=min(value_dim, 16), SCAN_V=min(value_dim, 16), WARPS=1, SCAN_WARPS=1, SCAN_STAGES=1)
+                    STEP_V=min(value_dim, 16), SCAN_V=min(value_dim, 16), WARPS=1, SCAN_WARPS=1, SOLVE_WARPS=1,
+                    SCAN_STAGES=1)
     wide = max(key_dim, value_dim) >= 64 or dtype == torch.float32
     warps, scan_warps = 8 if wide else 4, 8 if key_dim > 64 or dtype == torch.float32 else 4
+    solve_warps = 8 if dtype == torch.float32 else 4
     if dtype != torch.float32 and min(key_dim, value_dim) < 64:
         # Triton 3.6 on an H200 miscompiled these kernels' half-precision tensor-core products at narrow widths
         # (wrong values or illegal addresses at K > V with V <= 32, and at K = 16, V = 32, on four or eight warps;
         # float32 was right). Two warps take another instruction path and gave the right values at every pair of
         # widths from 16 to 128 and chunks of 16, 32 and 64, against the float64 recurrence at T = 513.
-        warps = scan_warps = 2
+        warps = scan_warps = solve_warps = 2
     return dict(BLOCK_K=min(key_dim, 64), BLOCK_V=min(value_dim, 64), STEP_K=min(key_dim, 32),
                 STEP_V=min(value_dim, 32), SCAN_V=min(value_dim, 32), WARPS=warps, SCAN_WARPS=scan_warps,
-                SCAN_STAGES=2 if dtype == torch.float32 else 3)
+                SOLVE_WARPS=solve_warps, SCAN_STAGES=2 if dtype == torch.float32 else 3)
 
 
 @triton.jit
@@ -172,25 +178,55 @@ def _join_lower(top_left, bottom_left, bottom_right, HALF: tl.constexpr):
 
 
 @triton.jit
+def _substitute(a):
+    """(I + a)^-1 of each strictly lower-triangular float32 tile of a stack [16, 16, N], by forward substitution:
+    row r of the inverse is e_r - sum_{j < r} a[r, j] * (row j of the inverse), and rows j < r are final when row r
+    is built. The N tiles take their 15 steps together: the steps are a chain of dependent reductions, so one
+    program's time is set by their number, not by the tiles each step covers."""
+    rows = tl.arange(0, _SOLVE_BLOCK)[:, None, None]
+    cols = tl.arange(0, _SOLVE_BLOCK)[None, :, None]
+    inverse = tl.where(rows == cols, 1.0, 0.0) + tl.zeros_like(a)
+    for r in range(1, _SOLVE_BLOCK):
+        a_row = tl.sum(tl.where(rows == r, a, 0.0), axis=0)  # [16 (j), N]: a[r, j]
+        correction = tl.sum(a_row[:, None, :] * inverse, axis=0)  # [16 (column), N]
+        inverse -= tl.where(rows == r, correction[None, :, :], 0.0)
+    return inverse
+
+
+@triton.jit
+def _merge(inverse_top, a_cross, inverse_bottom, HALF: tl.constexpr, PRECISION: tl.constexpr):
+    """The inverse of [[I + X, 0], [Y, I + Z]] from (I + X)^-1, Y and (I + Z)^-1: its lower-left block is
+    -(I + Z)^-1 Y (I + X)^-1."""
+    cross = tl.dot(a_cross, inverse_top, input_precision=PRECISION)
+    inverse_cross = -tl.dot(inverse_bottom, cross, input_precision=PRECISION)
+    return _join_lower(inverse_top, inverse_cross, inverse_bottom, HALF)
+
+
+@triton.jit
 def _unit_lower_inverse(a, SIZE: tl.constexpr, PRECISION: tl.constexpr):
-    """(I + a)^-1 for a strictly lower-triangular float32 tile [SIZE, SIZE]."""
-    if SIZE <= _SOLVE_BLOCK:
-        # Forward substitution: row r of the inverse is e_r - sum_{j < r} a[r, j] * (row j of the inverse), and
-        # rows j < r are final when row r is built.
-        idx = tl.arange(0, SIZE)
-        inverse = (idx[:, None] == idx[None, :]).to(tl.float32)
-        for r in range(1, SIZE):
-            a_row = tl.sum(tl.where(idx[:, None] == r, a, 0.0), axis=0)
-            correction = tl.sum(a_row[:, None] * inverse, axis=0)
-            inverse -= tl.where(idx[:, None] == r, correction[None, :], 0.0)
+    """(I + a)^-1 for a strictly lower-triangular float32 tile [SIZE, SIZE], SIZE in 16, 32, 64: its diagonal
+    16 x 16 blocks by one joint substitution, then joined two by two."""
+    if SIZE == _SOLVE_BLOCK:
+        inverse = tl.reshape(_substitute(tl.expand_dims(a, 2)), [SIZE, SIZE])
+    elif SIZE == 2 * _SOLVE_BLOCK:
+        a_top, _, a_cross, a_bottom = _quarters(a, _SOLVE_BLOCK)
+        inverse_top, inverse_bottom = tl.split(_substitute(tl.join(a_top, a_bottom)))
+        inverse = _merge(inverse_top, a_cross, inverse_bottom, _SOLVE_BLOCK, PRECISION)
     else:
         HALF: tl.constexpr = SIZE // 2
         a_top, _, a_cross, a_bottom = _quarters(a, HALF)
-        inverse_top = _unit_lower_inverse(a_top, HALF, PRECISION)
-        inverse_bottom = _unit_lower_inverse(a_bottom, HALF, PRECISION)
-        cross = tl.dot(a_cross, inverse_top, input_precision=PRECISION)
-        inverse_cross = -tl.dot(inverse_bottom, cross, input_precision=PRECISION)
-        inverse = _join_lower(inverse_top, inverse_cross, inverse_bottom, HALF)
+        a11, _, a21, a22 = _quarters(a_top, _SOLVE_BLOCK)
+        a33, _, a43, a44 = _quarters(a_bottom, _SOLVE_BLOCK)
+        # [16, 16, 2, 2] indexed [.., block within its half, top or bottom half]: tl.join stacks on a new last axis
+        inverses = tl.reshape(_substitute(tl.reshape(tl.join(tl.join(a11, a22), tl.join(a33, a44)),
+                                                     [_SOLVE_BLOCK, _SOLVE_BLOCK, 4])),
+                              [_SOLVE_BLOCK, _SOLVE_BLOCK, 2, 2])
+        top_blocks, bottom_blocks = tl.split(inverses)
+        inverse11, inverse22 = tl.split(top_blocks)
+        inverse33, inverse44 = tl.split(bottom_blocks)
+        inverse_top = _merge(inverse11, a21, inverse22, _SOLVE_BLOCK, PRECISION)
+        inverse_bottom = _merge(inverse33, a43, inverse44, _SOLVE_BLOCK, PRECISION)
+        inverse = _merge(inverse_top, a_cross, inverse_bottom, HALF, PRECISION)
     return inverse
 
 
@@ -577,7 +613,7 @@ def _prepare(k, v, g, beta, chunk_size: int, config: dict):
     _prepare_kernel[(num_chunks, batch * heads)](
         k, v, g, beta, b, w, u, *_strides(k, v, g, beta), heads, seq_len,
         KEY_DIM=key_dim, VALUE_DIM=value_dim, CHUNK=chunk_size, PRECISION=precision,
-        SOLVE_PRECISION=solve_precision, num_warps=config["WARPS"],
+        SOLVE_PRECISION=solve_precision, num_warps=config["SOLVE_WARPS"],
     )
     return b, w, u
 
@@ -661,7 +697,7 @@ def _backward(q, k, v, g, beta, states, grad_o, grad_final, chunk_size: int):
         k, v, beta, b, dv_new, dw, dk_part, dg_part, dk, dv, dbeta, dg, *_strides(k, v, beta), heads, seq_len,
         **dims, BLOCK_K=config["STEP_K"], BLOCK_V=config["STEP_V"], KEY_BLOCKS=key_blocks, PRECISION=precision,
         SOLVE_PRECISION=solve_precision,
-        num_warps=config["WARPS"],
+        num_warps=config["SOLVE_WARPS"],
     )
     return dq, dk, dv, dg, dbeta, grad_initial
 
