@@ -182,3 +182,11 @@ def rounds(mutants: list[Mutant]) -> list[list[Mutant]]:
         taken[mutant.grader_args, mutant.problem] += 1
         runs[mutant.grader_args, round_number].append(mutant)
     return list(runs.values())
+
+
+def firsts(mutants: list[Mutant]) -> list[Mutant]:
+    """The first mutant of each problem under each grader arguments: the members of each arguments' first round."""
+    first: dict[tuple, Mutant] = {}
+    for mutant in sorted(mutants, key=lambda m: m.id):
+        first.setdefault((mutant.grader_args, mutant.problem), mutant)
+    return list(first.values())
