@@ -646,8 +646,8 @@ PROBLEMS: tuple[Problem, ...] = (
         },
         evidence={
             "broadcast_at_construction": (
-                "outside: weights after DDP(model) equal rank 0's, which only rank 0 received; in-process: `.module` "
-                "is the model given"
+                "outside: weights after DDP(model) equal rank 0's, which only rank 0 received; in-process: the "
+                "wrapper's .module is the model given"
             ),
             "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
             "frozen_parameter": "outside: training values; in-process: the count of all-reduces",
@@ -673,7 +673,9 @@ PROBLEMS: tuple[Problem, ...] = (
         speed=SpeedThreshold(shapes=((8, 4096, 512),), dtypes=("float32",)),
         evidence={
             "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
-            "bucket_partition": "in-process: byte sizes of the recorded all-reduces; `.module` is the model given",
+            "bucket_partition": (
+                "in-process: byte sizes of the recorded all-reduces; the wrapper's .module is the model given"
+            ),
             "overlaps_backward": "in-process: recorded phases, async flags and the phases of their waits",
             "speed": "in-process: step times measured in the ranks, against the reference's ranks",
             "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
@@ -713,7 +715,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "matches_single_process": "outside: owners' gradients need every rank's rows, weights need rank 0's",
             "gradients_sharded": (
                 "in-process: which gradients the rank reports as None, and the bytes backward and the reduces leave "
-                "alive (memory probe); `.module` is the model given"
+                "alive (memory probe); the wrapper's .module is the model given"
             ),
             "collective_pattern": "in-process: recorded collectives, their phases and the phases of their waits",
             "process_group": "outside: two groups of two ranks, each with its own weights and data, graded on values",
