@@ -43,7 +43,7 @@ class GradedRound:
     replayed: GraderRun | None  # the same round graded in the students' copy, from stored expectations
 
 
-REPLAYED = [mutant.id for mutant in mutants.firsts(MUTANTS)]  # the mutants the students' copy grades too
+REPLAYED = frozenset(mutant.id for mutant in mutants.firsts(MUTANTS))  # the mutants the students' copy grades too
 
 
 def grade(members: list[mutants.Mutant], package: Path, students_copy: Path) -> GradedRound:

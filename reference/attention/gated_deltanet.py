@@ -100,10 +100,10 @@ def check_arguments(q, k, v, g, beta, initial_state=None, chunk_size=None) -> No
 # the kernels that invert (I + A) (_prepare_kernel, _grad_wy_kernel), whose time is a chain of dependent steps that
 # synchronise every warp of the program: four warps in half precision took them from 2.86 and 2.41 ms to 1.32 and
 # 1.21 ms (forward and backward, T = 16384, widths 64, H200), with the same errors. The other kernels parallel over
-# chunks stay at eight: at four, Triton 3.6 gave dk errors ten times larger in both half precisions. Chosen so that
-# no kernel spills more than a few registers at key and value widths 64 and 128 in bfloat16 on sm_90; float32 tiles
-# take twice the shared memory, so there the walks keep two stages of their loads, not three. Under the interpreter
-# the blocks are small so that short tests cross them.
+# chunks stay at eight: at four, Triton 3.6 gave dk errors ten times larger in both half precisions. At eight warps
+# no kernel spilled more than a few registers at widths 64 and 128 in bfloat16 on sm_90 (the solving kernels' spills
+# at four were not measured); float32 tiles take twice the shared memory, so there the walks keep two stages of
+# their loads, not three. Under the interpreter the blocks are small so that short tests cross them.
 def _config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     if os.environ.get("TRITON_INTERPRET") == "1":
         return dict(BLOCK_K=min(key_dim, 16), BLOCK_V=min(value_dim, 16), STEP_K=min(key_dim, 16),
