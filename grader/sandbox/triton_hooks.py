@@ -177,7 +177,7 @@ def _check_access(builder: Any, op: str, ptrs: Any, mask: Any) -> None:
         return
     launch = _LAUNCHES_IN_FLIGHT[-1]
     addresses = _active_addresses(ptrs, mask)
-    TRAFFIC.note_access(op, addresses)
+    TRAFFIC.note_access(op, addresses, lanes=int(np.size(ptrs.data)))
     if addresses.size == 0:
         return
     access_bytes = _access_bytes(ptrs)

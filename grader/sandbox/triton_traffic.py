@@ -14,6 +14,9 @@ evidence along: an input copied into a buffer that a kernel loaded counts as rea
 kernel stored counts as written. Like every check in the worker, this names an honest shortcut (values computed
 from memory read around torch, say) and cannot stop code that defeats the recorder itself.
 
+It also counts the lanes of every load, repeated reads and masked-off lanes included: a measure of the work the
+kernels did, which problems that must skip blocks (a sliding window) compare across sequence lengths.
+
 The recorder also keeps the widest block a launch held (a tensor of two or more dimensions inside a kernel): from the
 interpreter's tensors on CPU, from each compiled kernel's Triton IR on a GPU. Tiled problems bound it.
 """
@@ -82,6 +85,7 @@ class TrafficRecorder:
     def clear(self) -> None:
         self.argument_ranges: list[tuple[int, int]] = []
         self.loaded = _Addresses()
+        self.loaded_lanes = 0  # every load's lanes, repeats and masked lanes included: the work, not the footprint
         self.stored = _Addresses()
         # (destination, source), in order: address arrays of equal length, or byte ranges on a GPU.
         self.copies: list[tuple[Any, Any]] = []
@@ -96,11 +100,13 @@ class TrafficRecorder:
         if self.active:
             self.argument_ranges += ranges
 
-    def note_access(self, op: str, addresses: np.ndarray) -> None:
-        """op: "load", "store", or "atomic" (which reads and writes)."""
+    def note_access(self, op: str, addresses: np.ndarray, lanes: int) -> None:
+        """op: "load", "store", or "atomic" (which reads and writes); lanes: the access's block size, masked lanes
+        included, so that a loop over blocks it then masks off still counts as work."""
         if self.active and self.by_address:
             if op != "store":
                 self.loaded.add(addresses)
+                self.loaded_lanes += lanes
             if op != "load":
                 self.stored.add(addresses)
 
