@@ -179,8 +179,8 @@ def tile_rule(shape, tile: int) -> int | None:
     return tile if seq != tile and not {seq, tile} & {*others, head_dim} else None
 
 
-def _function_nodes(output) -> list:
-    """The FlashAttentionFunction nodes in the autograd graph of `output`."""
+def _function_nodes(output, node_name: str) -> list:
+    """The nodes named node_name (an autograd.Function's backward) in the autograd graph of `output`."""
     if not isinstance(output, torch.Tensor) or output.grad_fn is None:
         return []
     found, seen, stack = [], set(), [output.grad_fn]
@@ -189,7 +189,7 @@ def _function_nodes(output) -> list:
         if node is None or id(node) in seen:
             continue
         seen.add(id(node))
-        if type(node).__name__ == FUNCTION_NODE:
+        if type(node).__name__ == node_name:
             found.append(node)
         stack.extend(next_node for next_node, _ in node.next_functions)
     return found
@@ -208,21 +208,30 @@ def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[st
           uses_triton: bool = False) -> dict:
     """Run module.flash_attention(q, k, v, is_causal) (and its backward from grad_o, if given) under observation;
     with uses_triton, torch may only allocate, view and copy (grader.sandbox.allowed_ops)."""
+    # The PyTorch problem pins its tiles (TILE_SIZE rows of queries and of keys); a Triton kernel's tiles are its own
+    # blocks, which the traffic recorder sees.
+    return observe(lambda *inputs: module.flash_attention(*inputs, is_causal=is_causal), FUNCTION_NODE, q, k, v,
+                   grad_o, forbidden_ops, uses_triton, None if uses_triton else tile_rule(q.shape, TORCH_TILE_SIZE))
+
+
+def observe(call, node_name: str, q, k, v, grad_o, forbidden_ops: tuple[str, ...], uses_triton: bool,
+            tile: int | None) -> dict:
+    """Run call(q, k, v) (and its backward from grad_o, if given) under observation: the output, the tensors the
+    autograd node `node_name` saved, any tensor spanning the sequence twice (or beside a `tile`), the operators and
+    Triton launches of the forward and of the backward, the gradients."""
     from grader.sandbox import guards, triton_hooks
     from grader.sandbox.allowed_ops import ALLOWED_OPS
     from grader.sandbox.triton_traffic import TRAFFIC
 
     inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    # The PyTorch problem pins its tiles (TILE_SIZE rows of queries and of keys); a Triton kernel's tiles are its own
-    # blocks, which the traffic recorder sees.
-    squares = _WideTensorRecorder(q.shape[-2], None if uses_triton else tile_rule(q.shape, TORCH_TILE_SIZE))
+    squares = _WideTensorRecorder(q.shape[-2], tile)
     forbidden = guards.ForbiddenOpRecorder(tuple(forbidden_ops), ALLOWED_OPS if uses_triton else None)
     report = {"saved": None, "lse": None, "ctx_tensors": [], "backward_launches": [], "grads": None}
     triton_hooks.LAUNCHES.reset()
     with TRAFFIC.recording() if uses_triton else contextlib.nullcontext(), forbidden, squares:
-        output = module.flash_attention(*inputs, is_causal=is_causal)
+        output = call(*inputs)
         report["forward_launches"] = list(triton_hooks.LAUNCHES.names)
-        nodes = _function_nodes(output)
+        nodes = _function_nodes(output, node_name)
         report["function_nodes"] = len(nodes)
         if len(nodes) == 1:
             saved = nodes[0].saved_tensors
@@ -309,7 +318,7 @@ def expected(reference, case: AttentionCase, q, k, v, grad_o=None) -> Expected:
     return want
 
 
-def gradient_term_scales(q, k, v, grad_o, is_causal: bool) -> tuple[float, float, float]:
+def gradient_term_scales(q, k, v, grad_o, is_causal: bool, window: int | None = None) -> tuple[float, float, float]:
     """The size of the largest terms each gradient sums, whatever the order of summation.
 
     dQ_i = s sum_j P_ij (dP_ij - D_i) k_j with dP_ij = dO_i . v_j and D_i = dO_i . O_i (s = 1/sqrt(head_dim)): where
@@ -322,7 +331,10 @@ def gradient_term_scales(q, k, v, grad_o, is_causal: bool) -> tuple[float, float
     scale = 1.0 / math.sqrt(head_dim)
     scores = q @ k.transpose(-1, -2) * scale
     if is_causal:
-        scores = scores.masked_fill(torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1), -math.inf)
+        hidden = torch.ones(seq, seq, dtype=torch.bool, device=q.device).triu(1)
+        if window is not None:  # and keys j <= i - window
+            hidden |= torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril(-window)
+        scores = scores.masked_fill(hidden, -math.inf)
     probs = torch.softmax(scores, dim=-1)
     output = probs @ v
     bound = probs * (grad_o.abs() @ v.abs().transpose(-1, -2) + (grad_o.abs() * output.abs()).sum(-1, keepdim=True))
@@ -338,12 +350,13 @@ def check_output(actual, want: Expected, error_multiple: float, floor_ulps: floa
                  context=context, multiple=error_multiple, floor_ulps=floor_ulps)
 
 
-def check_lse(report: dict, want: Expected, error_multiple: float, floor_ulps: float, context: str) -> None:
-    """L, read from the fifth tensor FlashAttentionFunction.forward saved, against logsumexp at float64."""
-    function_node(report, context)
+def check_lse(report: dict, want: Expected, error_multiple: float, floor_ulps: float, context: str,
+              cls: str = "FlashAttentionFunction") -> None:
+    """L, read from the fifth tensor the autograd.Function `cls` saved in forward, against logsumexp at float64."""
+    function_node(report, context, cls)
     if report["lse"] is None:
         raise WrongAnswer(
-            f"FlashAttentionFunction saved {describe_saved(report)}; the fifth of ctx.save_for_backward(q, k, v, o, "
+            f"{cls} saved {describe_saved(report)}; the fifth of ctx.save_for_backward(q, k, v, o, "
             f"L) must be the logsumexp L ({context})"
         )
     # A row's L can be far smaller than its scores (scores of both signs, or a few negative ones): the floor is in
@@ -354,19 +367,19 @@ def check_lse(report: dict, want: Expected, error_multiple: float, floor_ulps: f
                  context=context, multiple=error_multiple, floor_ulps=floor_ulps)
 
 
-def function_node(report: dict, context: str) -> None:
+def function_node(report: dict, context: str, cls: str = "FlashAttentionFunction") -> None:
     count = report["function_nodes"]
     if count != 1:
         found = "none" if count == 0 else f"{count}"
         raise WrongAnswer(
-            f"the output of flash_attention must come from one FlashAttentionFunction.apply, whose autograd node "
-            f"({FUNCTION_NODE}) holds the saved tensors; its graph has {found} ({context})"
+            f"the output must come from one {cls}.apply, whose autograd node ({cls}Backward) holds the saved "
+            f"tensors; its graph has {found} ({context})"
         )
 
 
 def check_gradients(report: dict, want: Expected, error_multiple: float, floor_ulps: float, context: str) -> None:
     if report["grads"] is None:
-        raise WrongAnswer(f"the output of flash_attention does not require grad for inputs that do ({context})")
+        raise WrongAnswer(f"the output does not require grad for inputs that do ({context})")
     for name, actual, exact, at_dtype, term_scale in zip(
         ("q", "k", "v"), report["grads"], want.grads64, want.at_dtype["grads"], want.term_scales
     ):
@@ -393,26 +406,27 @@ def check_gradient(actual, exact, at_dtype, term_scale: float, error_multiple: f
                           f"{error:.3g}; allowed {floor:.3g} ({context})")
 
 
-def check_no_score_matrix(report: dict, seq: int, context: str) -> None:
-    """FlashAttentionFunction saves exactly (q, k, v, o, L), keeps no tensor on ctx, and builds no n x n tensor."""
-    function_node(report, context)
+def check_no_score_matrix(report: dict, seq: int, context: str, cls: str = "FlashAttentionFunction") -> None:
+    """The autograd.Function `cls` saves exactly (q, k, v, o, L), keeps no tensor on ctx, and no n x n tensor is
+    built."""
+    function_node(report, context, cls)
     square = [shape for shape, _ in report["saved"] if is_square(shape, seq)]
     if square:
         raise WrongAnswer(
-            f"FlashAttentionFunction saved a tensor of shape {square[0]} for backward: an n x n matrix (seq = {seq}) "
+            f"{cls} saved a tensor of shape {square[0]} for backward: an n x n matrix (seq = {seq}) "
             f"that FlashAttention never stores; save only (q, k, v, o, L) ({context})"
         )
     if len(report["saved"]) != 5:
-        raise WrongAnswer(f"FlashAttentionFunction saved {describe_saved(report)}; it must save exactly "
+        raise WrongAnswer(f"{cls} saved {describe_saved(report)}; it must save exactly "
                           f"(q, k, v, o, L) ({context})")
     if report["ctx_tensors"]:
         raise WrongAnswer(
-            f"FlashAttentionFunction kept tensors on ctx outside save_for_backward ({', '.join(report['ctx_tensors'])})"
+            f"{cls} kept tensors on ctx outside save_for_backward ({', '.join(report['ctx_tensors'])})"
             f"; it must save exactly (q, k, v, o, L) with ctx.save_for_backward ({context})"
         )
     if report["square_tensors"]:
         raise WrongAnswer(
-            f"flash_attention built tensors spanning the whole sequence (seq = {seq}) along two dimensions, or along "
+            f"the call built tensors spanning the whole sequence (seq = {seq}) along two dimensions, or along "
             f"one beside a tile of {TORCH_TILE_SIZE}, in its forward or backward: "
             f"{'; '.join(report['square_tensors'])}; scores, probabilities and masks must stay in TILE_SIZE x "
             f"TILE_SIZE blocks ({context})"
@@ -440,21 +454,22 @@ def describe_saved(report: dict) -> str:
     return f"{len(saved)} tensor{'' if len(saved) == 1 else 's'}" + (f" ({listing})" if saved else "")
 
 
-def check_rules(report: dict, uses_triton: bool, backward: bool, context: str) -> None:
+def check_rules(report: dict, uses_triton: bool, backward: bool, context: str,
+                function: str = "flash_attention") -> None:
     """No forbidden operator; Triton kernels launched by the forward and the backward where the problem says so."""
     if report["forbidden"]:
-        raise RuleViolation(f"flash_attention called {', '.join(report['forbidden'])}: this problem is to "
+        raise RuleViolation(f"{function} called {', '.join(report['forbidden'])}: this problem is to "
                             f"reimplement attention ({context})")
     if uses_triton and not report["forward_launches"]:
-        raise RuleViolation(f"flash_attention launched no Triton kernel in its forward ({context})")
+        raise RuleViolation(f"{function} launched no Triton kernel in its forward ({context})")
     if uses_triton and backward and not report["backward_launches"]:
-        raise RuleViolation(f"the backward of flash_attention launched no Triton kernel: it must be yours, in "
+        raise RuleViolation(f"the backward of {function} launched no Triton kernel: it must be yours, in "
                             f"Triton ({context})")
     if report["computed"]:
-        raise RuleViolation(f"flash_attention computed with {', '.join(report['computed'])} outside a Triton kernel: "
+        raise RuleViolation(f"{function} computed with {', '.join(report['computed'])} outside a Triton kernel: "
                             f"torch may only allocate, view and copy tensors here ({context})")
     if uses_triton:
-        check_triton_traffic(report, "flash_attention", context)
+        check_triton_traffic(report, function, context)
 
 
 # --- invalid arguments: one fault each --------------------------------------------------------------------------
