@@ -313,6 +313,33 @@ PROBLEMS: tuple[Problem, ...] = (
         speed=SpeedThreshold(shapes=((4, 16, 4096, 64, 0), (4, 16, 4096, 128, 1)), dtypes=("bfloat16",)),
     ),
     Problem(
+        id="attention.sliding_window",
+        title="Sliding-window attention in Triton",
+        hours=6,
+        learns=(
+            "to attend to the last w keys only, and to make the kernels skip every block outside the window so that "
+            "the work grows with seq times w, not seq squared"
+        ),
+        points={
+            "forward_fp32": 4,
+            "forward_fp16": 2,
+            "forward_bf16": 2,
+            "logsumexp": 2,
+            "backward": 6,
+            "window_edges": 3,
+            "saves_no_score_matrix": 2,
+            "blocks_bounded": 1,
+            "work_linear_in_seq": 4,
+            "invalid_arguments": 1,
+            "speed": 4,
+        },
+        uses_triton=True,
+        forbidden_ops=ATTENTION_FORBIDDEN_OPS,
+        # Forward and backward against the reference and torch's causal FlashAttention-2 over the whole sequence;
+        # shape is (batch, heads, seq, head_dim, window).
+        speed=SpeedThreshold(shapes=((4, 16, 8192, 64, 512), (4, 16, 8192, 128, 1024)), dtypes=("bfloat16",)),
+    ),
+    Problem(
         id="attention.linear_attention",
         title="Linear attention: parallel, recurrent and chunked",
         hours=6,

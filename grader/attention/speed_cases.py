@@ -1,7 +1,7 @@
-"""What the linear-attention problems' speed tests time: the chunked form's forward and backward at a training shape,
-beside torch's FlashAttention-2 (causal, forward and backward) on the same q, k, v, and the oracle the students' copy
-checks a timed output against (grader.speed.grading). Module-level functions: the student's worker builds the same
-inputs by name."""
+"""What the attention family's speed tests time: the sliding window's or the chunked form's forward and backward at a
+training shape, beside torch's FlashAttention-2 (causal, forward and backward) on the same q, k, v, and the oracle the
+students' copy checks a timed output against (grader.speed.grading). Module-level functions: the student's worker
+builds the same inputs by name."""
 
 from __future__ import annotations
 
@@ -91,7 +91,47 @@ def _sampled(recurrence: Recurrence):
     return oracle
 
 
+def sliding_window_inputs(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple:
+    """q, k, v requiring gradients, the window, and dO, for shape (batch, heads, seq, head_dim, window)."""
+    *size, window = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+    q, k, v, grad_o = (torch.randn(size, generator=generator, device=device, dtype=getattr(torch, dtype))
+                       for _ in range(4))
+    return q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), window, grad_o
+
+
+def window_forward_backward(function, q, k, v, window, grad_o) -> torch.Tensor:
+    """The timed call of the sliding-window problem: the forward, then the gradients of q, k and v."""
+    from grader.sandbox.guards import torch_compute_allowed
+
+    output = function(q, k, v, window)
+    with torch_compute_allowed():  # autograd's own bookkeeping; the probe tests hold the backward to Triton
+        torch.autograd.grad(output, (q, k, v), grad_o)
+    return output.detach()
+
+
+@torch.no_grad()
+def sampled_sliding_window(args: tuple, seed: int) -> torch.Tensor:
+    """The window's true output at the sampled positions, each from its own query row in float32 on the device."""
+    q, k, v, window, _ = args
+    batch, heads, seq, head_dim = q.shape
+    positions = sample_positions(q.numel(), seed)
+    values = []
+    for position in positions.tolist():
+        row, column = divmod(position, head_dim)
+        pair, query = divmod(row, seq)
+        b, h = divmod(pair, heads)
+        start = max(0, query - window + 1)
+        keys, vals = k[b, h, start:query + 1].float(), v[b, h, start:query + 1].float()
+        weights = torch.softmax(keys @ q[b, h, query].float() / head_dim**0.5, dim=0)
+        values.append(weights @ vals[:, column])
+    return torch.stack(values).to("cpu", torch.float64)
+
+
 SPEEDS = {
+    "attention.sliding_window": SpeedSpec("sliding_window_attention", baseline=flash_attention_causal,
+                                          inputs=sliding_window_inputs, harness=window_forward_backward,
+                                          oracle=sampled_sliding_window),
     "attention.linear_attention": SpeedSpec("linear_attention_chunked", baseline=flash_attention_causal,
                                             inputs=linear_attention_inputs, harness=forward_backward,
                                             oracle=_sampled(LINEAR_ATTENTION)),
