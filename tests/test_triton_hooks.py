@@ -247,6 +247,15 @@ def test_traffic_follows_torch_copies_into_and_out_of_kernels():
     assert TRAFFIC.unwritten({"made by torch": torch.ones(3)}) == ["made by torch: 3 of 3 elements"]
 
 
+@interpreter_only
+def test_traffic_counts_every_load_lane_masked_or_repeated():
+    """Two programs of 16 lanes load x and y over 10 elements: 64 lanes counted, though 20 were read."""
+    x, out = torch.arange(10.0), torch.zeros(10)
+    _traffic_of(lambda: add_kernel[(2,)](x, x, out, 10, BLOCK=16), by_address=True)
+    assert TRAFFIC.loaded_lanes == 2 * 2 * 16
+    assert TRAFFIC.loaded.unique().size == 10
+
+
 def test_traffic_by_argument_counts_what_each_launch_was_given():
     # The GPU's evidence (launch arguments, no addresses), here on the interpreter's CPU tensors.
     x, out, other = torch.arange(10.0), torch.zeros(10), torch.ones(4)
