@@ -436,6 +436,24 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 5, "public": 20, "grading": 100},
     ),
     Problem(
+        id="attention.mtp",
+        title="Multi-token prediction",
+        hours=3,
+        learns=(
+            "DeepSeek-V3's chain of prediction modules: which token each depth reads and predicts, the shared "
+            "embedding and head, and a loss that keeps every prediction causal"
+        ),
+        points={
+            "logits": 5,
+            "loss": 4,
+            "gradients": 5,
+            "causal_chain": 3,
+            "invalid_arguments": 1,
+        },
+        # Plain PyTorch on small models: an example costs a fraction of a second.
+        budgets={"ci": 5, "public": 20, "grading": 100},
+    ),
+    Problem(
         id="moe.router",
         title="Top-k token-choice router",
         hours=3,
