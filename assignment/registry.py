@@ -436,6 +436,26 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 5, "public": 20, "grading": 100},
     ),
     Problem(
+        id="attention.mla",
+        title="Multi-head latent attention",
+        hours=5,
+        learns=(
+            "to cache one latent vector and one rotary key per token instead of every head's keys and values, and "
+            "to decode from them by moving the query into the latent space"
+        ),
+        points={
+            "forward": 5,
+            "gradients": 4,
+            "decode_matches_forward": 6,
+            "cache_holds_latents_only": 3,
+            "decode_builds_no_per_head_keys": 3,
+            "cache_bytes": 2,
+            "invalid_arguments": 1,
+        },
+        # Plain PyTorch on small layers: an example costs a fraction of a second.
+        budgets={"ci": 5, "public": 20, "grading": 100},
+    ),
+    Problem(
         id="attention.mtp",
         title="Multi-token prediction",
         hours=3,

@@ -1,0 +1,169 @@
+"""What attention.mla's tests share: a layer's sizes and weights, and the programs that run it inside the worker (the
+student's module) or in the grader's process (the reference's, at the case's dtype and at float64, the oracle).
+
+The weights are the grader's, drawn by the pinned parameter names and loaded into both modules. A cache travels back
+to the grader as its two plain tensors, and decoding continues from them in a fresh module: what decoding needs must
+be in the cache. Decoding runs under a recorder of every tensor an operator returns (inside the worker: evidence
+against honest mistakes), which the grader searches for per-head keys or values of the whole cache.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from hypothesis import strategies as st
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from grader.checks.strategies import size_scale
+from grader.session.context import current
+
+
+@dataclass(frozen=True)
+class MLACase:
+    batch: int
+    seq: int
+    d_model: int
+    n_heads: int
+    head_dim: int
+    latent_dim: int
+    rope_dim: int
+    dtype: torch.dtype = torch.float32
+    prefill: int = 1  # tokens given to prefill before decoding the rest one at a time
+    seed: int = 0
+
+    def config(self) -> dict:
+        return {"d_model": self.d_model, "n_heads": self.n_heads, "head_dim": self.head_dim,
+                "latent_dim": self.latent_dim, "rope_dim": self.rope_dim}
+
+    def parameters(self) -> dict[str, torch.Tensor]:
+        """The weights by their pinned names, in float64 holding values exact in the case's dtype."""
+        generator = torch.Generator().manual_seed(self.seed)
+        heads = self.n_heads * self.head_dim
+
+        def linear(rows, columns):
+            return torch.randn(rows, columns, generator=generator, dtype=torch.float64) * columns**-0.5
+
+        weights = {"kv_down.weight": linear(self.latent_dim, self.d_model),
+                   "key_up.weight": linear(heads, self.latent_dim),
+                   "value_up.weight": linear(heads, self.latent_dim),
+                   "rope_key.weight": linear(self.rope_dim, self.d_model),
+                   "query.weight": linear(self.n_heads * (self.head_dim + self.rope_dim), self.d_model),
+                   "out.weight": linear(self.d_model, heads)}
+        return {name: tensor.to(self.dtype).double() for name, tensor in weights.items()}
+
+    def exact_inputs(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """h and the upstream gradient of the output, float64 holding values exact in the case's dtype."""
+        generator = torch.Generator().manual_seed(self.seed + 1)
+        shape = (self.batch, self.seq, self.d_model)
+        h = torch.randn(shape, generator=generator, dtype=torch.float64) * 2
+        grad = torch.randn(shape, generator=generator, dtype=torch.float64)
+        return h.to(self.dtype).double(), grad.to(self.dtype).double()
+
+    def describe(self) -> str:
+        return (f"batch={self.batch}, seq={self.seq}, d_model={self.d_model}, n_heads={self.n_heads}, "
+                f"head_dim={self.head_dim}, latent_dim={self.latent_dim}, rope_dim={self.rope_dim}, "
+                f"dtype={str(self.dtype).removeprefix('torch.')}, prefill={self.prefill}, seed={self.seed}")
+
+
+@st.composite
+def mla_cases(draw, dtypes: tuple[torch.dtype, ...] = (torch.float32,)) -> MLACase:
+    """Small layers: sequences up to 24 under `ci` on a CPU (RoPE angles past 20 radians at the fastest pair)."""
+    seq = draw(st.integers(1, 24 * size_scale()))
+    return MLACase(
+        batch=draw(st.integers(1, 3)),
+        seq=seq,
+        d_model=draw(st.sampled_from([16, 32])),
+        n_heads=draw(st.integers(1, 4)),
+        head_dim=draw(st.sampled_from([4, 8, 16])),
+        latent_dim=draw(st.sampled_from([4, 12, 24])),
+        rope_dim=draw(st.sampled_from([2, 4, 8])),
+        dtype=draw(st.sampled_from(dtypes)),
+        prefill=draw(st.integers(1, seq)),
+        seed=draw(st.integers(0, 2**31 - 1)),
+    )
+
+
+def case_tensors(case: MLACase, dtype: torch.dtype | None = None) -> tuple[dict, torch.Tensor, torch.Tensor]:
+    """(weights, h, grad) at `dtype` (the case's by default) on the grader's device."""
+    dtype = dtype or case.dtype
+    device = current().device
+    h, grad = case.exact_inputs()
+    weights = {name: tensor.to(device, dtype) for name, tensor in case.parameters().items()}
+    return weights, h.to(device, dtype), grad.to(device, dtype)
+
+
+# --- programs: run in the worker on the student's module, and here on the reference's ------------------------------
+
+
+def build(module, config: dict, weights: dict):
+    any_weight = next(iter(weights.values()))
+    layer = module.MultiHeadLatentAttention(module.MLAConfig(**config)).to(any_weight.device, any_weight.dtype)
+    layer.load_state_dict(weights)
+    return layer
+
+
+def run_forward(module, config: dict, weights: dict, h: torch.Tensor, grad: torch.Tensor | None) -> dict:
+    """forward(h), and with grad the gradients of h and of every parameter by name."""
+    layer = build(module, config, weights)
+    h = h.detach().requires_grad_(grad is not None)
+    y = layer(h)
+    report = {"y": y.detach() if isinstance(y, torch.Tensor) else y, "grads": None}
+    if grad is not None and isinstance(y, torch.Tensor) and y.requires_grad:
+        y.backward(grad)
+        report["grads"] = {"h": h.grad, **{name: p.grad for name, p in layer.named_parameters()}}
+    return report
+
+
+def plain_cache(cache) -> list:
+    return [t.detach() if isinstance(t, torch.Tensor) else t for t in (cache.latent, cache.rope_key)]
+
+
+class _LargeTensorRecorder(TorchDispatchMode):
+    """Every tensor an operator returns with `limit` elements or more and a dimension of `length` (the tokens
+    cached before a decode step) or `length + 1` (after it)."""
+
+    def __init__(self, limit: int, length: int):
+        super().__init__()
+        self.limit, self.length, self.seen = limit, length, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        for tensor in result if isinstance(result, (tuple, list)) else (result,):
+            if (isinstance(tensor, torch.Tensor) and tensor.numel() >= self.limit
+                    and any(size in (self.length, self.length + 1) for size in tensor.shape) and len(self.seen) < 10):
+                self.seen.append(f"{func} -> {tuple(tensor.shape)}")
+        return result
+
+
+@torch.no_grad()
+def run_prefill_decode(module, config: dict, weights: dict, h: torch.Tensor, prefill: int) -> dict:
+    """prefill(h[:, :prefill]), then decode every later token one at a time in a fresh module from the cache's plain
+    tensors: the outputs, the cache after prefill and at the end, cache_bytes_per_token, and the large tensors
+    (see _LargeTensorRecorder: as many elements as every cached token's per-head keys) decoding built."""
+    prefilled, cache = build(module, config, weights).prefill(h[:, :prefill])
+    entries = plain_cache(cache)
+    layer = build(module, config, weights)
+    cache = module.MLACache(*entries)
+    outputs, large = [prefilled], []
+    per_head = h.shape[0] * config["n_heads"] * config["head_dim"]
+    for t in range(prefill, h.shape[1]):
+        with _LargeTensorRecorder(per_head * t, t) as recorder:
+            y_t, cache = layer.decode(h[:, t:t + 1], cache)
+        outputs.append(y_t)
+        large += recorder.seen
+    return {"y": torch.cat(outputs, dim=1), "prefill_cache": entries, "cache": plain_cache(cache),
+            "bytes_per_token": layer.cache_bytes_per_token(), "large": large[:10]}
+
+
+def call_invalid(module, method: str, shape: tuple[int, ...], dtype: str) -> None:
+    """One faulty call: forward, or decode after a prefill of two tokens of batch 1, on a layer of d_model 16."""
+    layer = module.MultiHeadLatentAttention(module.MLAConfig(d_model=16, n_heads=2, head_dim=4, latent_dim=6,
+                                                             rope_dim=4))
+    h = torch.ones(shape, dtype=getattr(torch, dtype))
+    with torch.no_grad():
+        if method == "forward":
+            layer(h)
+            return
+        _, cache = layer.prefill(torch.ones(1, 2, 16))
+        layer.decode(h, cache)
