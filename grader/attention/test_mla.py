@@ -8,6 +8,8 @@ on the two tensors that come back from the worker, and decoding continues from t
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -127,7 +129,7 @@ def test_decode_builds_no_per_head_keys(student):
 def test_cache_bytes(student, dtype):
     """cache_bytes_per_token() is (latent_dim + rope_dim) elements of the model's dtype, and what the cache grew by
     per token and sequence in decoding."""
-    case = MLACase(**{**DECODE_CASE.__dict__, "dtype": dtype, "seq": 24})
+    case = replace(DECODE_CASE, dtype=dtype, seq=24)
     got, _ = student_decode(student, case)
     pinned = (case.latent_dim + case.rope_dim) * torch.finfo(dtype).bits // 8
     if got["bytes_per_token"] != pinned:

@@ -14,6 +14,7 @@ import torch
 from hypothesis import example, given
 from hypothesis import strategies as st
 
+from grader.attention import window_cases as wc
 from grader.attention.speed_cases import SPEEDS
 from grader.attention.window_cases import (
     FUNCTION,
@@ -45,7 +46,6 @@ from grader.session.context import current
 from grader.speed.grading import grade_speed
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
-CASES = "grader.attention.window_cases"  # the worker runs its work measures by name
 TOLERANCE = dict(error_multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 # (seq, window): one visible key, windows one short of, at and past a tile and the sequence, a sequence of one.
 EDGES = [(1, 1), (1, 5), (40, 1), (40, 2), (40, 16), (40, 17), (40, 32), (40, 33), (40, 39), (40, 40), (40, 41),
@@ -138,10 +138,10 @@ def test_work_linear_in_seq(student):
     Under the interpreter (CPU), the lanes every load of forward and backward touched at seq = 256, 512 and 768;
     on a GPU, the time of forward and backward at seq = 4096 and 16384. Both are measured inside the worker."""
     if current().device.type == "cuda":
-        times = student.run_program(f"{CASES}:seconds_per_call", TIME_LENGTHS, TIME_WINDOW)
+        times = student.run_program(f"{wc.__name__}:seconds_per_call", TIME_LENGTHS, TIME_WINDOW)
         check_time_growth(times, TIME_LENGTHS, TIME_WINDOW)
     else:
-        check_work_growth(student.run_program(f"{CASES}:loaded_lanes", WORK_LENGTHS, WORK_WINDOW),
+        check_work_growth(student.run_program(f"{wc.__name__}:loaded_lanes", WORK_LENGTHS, WORK_WINDOW),
                           WORK_LENGTHS, WORK_WINDOW)
 
 
