@@ -215,16 +215,17 @@ def probe(module, q, k, v, is_causal: bool, grad_o=None, forbidden_ops: tuple[st
 
 
 def observe(call, node_name: str, q, k, v, grad_o, forbidden_ops: tuple[str, ...], uses_triton: bool,
-            tile: int | None) -> dict:
+            tile: int | None, seq: int | None = None, read_whole: tuple[str, ...] = ("q", "k", "v")) -> dict:
     """Run call(q, k, v) (and its backward from grad_o, if given) under observation: the output, the tensors the
-    autograd node `node_name` saved, any tensor spanning the sequence twice (or beside a `tile`), the operators and
-    Triton launches of the forward and of the backward, the gradients."""
+    autograd node `node_name` saved, any tensor spanning the sequence (of length `seq`, by default q's second last
+    dimension) twice (or beside a `tile`), the operators and Triton launches of the forward and of the backward, the
+    gradients. With uses_triton, the kernels must read every element of the inputs named in `read_whole` and of dO."""
     from grader.sandbox import guards, triton_hooks
     from grader.sandbox.allowed_ops import ALLOWED_OPS
     from grader.sandbox.triton_traffic import TRAFFIC
 
     inputs = [t.detach().requires_grad_(True) for t in (q, k, v)]
-    squares = _WideTensorRecorder(q.shape[-2], tile)
+    squares = _WideTensorRecorder(q.shape[-2] if seq is None else seq, tile)
     forbidden = guards.ForbiddenOpRecorder(tuple(forbidden_ops), ALLOWED_OPS if uses_triton else None)
     report = {"saved": None, "lse": None, "ctx_tensors": [], "backward_launches": [], "grads": None}
     triton_hooks.LAUNCHES.reset()
@@ -249,7 +250,9 @@ def observe(call, node_name: str, q, k, v, grad_o, forbidden_ops: tuple[str, ...
     report["computed"] = forbidden.computed
     if uses_triton:
         # (q, k, v share their memory with the detached inputs the call was given.)
-        report["unread"] = TRAFFIC.unread({"q": q, "k": k, "v": v, "the upstream gradient dO": grad_o})
+        named = {"q": q, "k": k, "v": v}
+        report["unread"] = TRAFFIC.unread({**{name: named[name] for name in read_whole},
+                                           "the upstream gradient dO": grad_o})
         report["unwritten"] = TRAFFIC.unwritten({"the output": output, **{
             f"the gradient of {name}": g for name, g in zip("qkv", report["grads"] or ())}})
         report["widest_block"] = TRAFFIC.widest_block
