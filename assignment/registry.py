@@ -340,6 +340,36 @@ PROBLEMS: tuple[Problem, ...] = (
         speed=SpeedThreshold(shapes=((4, 16, 8192, 64, 512), (4, 16, 8192, 128, 1024)), dtypes=("bfloat16",)),
     ),
     Problem(
+        id="attention.sparse_dsa",
+        title="DeepSeek sparse attention",
+        hours=6,
+        learns=(
+            "DeepSeek-V3.2's sparse attention: a cheap indexer scores every past token, each query keeps its top-k, "
+            "and a Triton kernel gathers the selected key rows so that attention costs seq times k, not seq squared"
+        ),
+        points={
+            "indexer": 3,
+            "topk": 3,
+            "topk_edges": 1,
+            "forward_fp32": 3,
+            "forward_fp16": 2,
+            "forward_bf16": 2,
+            "logsumexp": 2,
+            "backward": 5,
+            "selections": 3,
+            "saves_no_score_matrix": 2,
+            "blocks_bounded": 1,
+            "work_linear_in_seq": 4,
+            "invalid_arguments": 1,
+            "speed": 4,
+        },
+        uses_triton=True,
+        forbidden_ops=ATTENTION_FORBIDDEN_OPS,
+        # Forward and backward against the reference and torch's causal FlashAttention-2 over the whole sequence
+        # (keys and values repeated per head); shape is (batch, seq, heads, head_dim, topk).
+        speed=SpeedThreshold(shapes=((2, 8192, 16, 64, 512), (1, 8192, 64, 128, 2048)), dtypes=("bfloat16",)),
+    ),
+    Problem(
         id="attention.linear_attention",
         title="Linear attention: parallel, recurrent and chunked",
         hours=6,

@@ -137,6 +137,21 @@ def test_the_sliding_window_oracle_agrees_with_the_formula():
             check_sample(sample(output * 1.01, seed), expected, torch.float32, "a wrong output")
 
 
+def test_the_sparse_attention_oracle_agrees_with_the_formula():
+    """The copy checks a timed sparse-attention output from each sampled query's selected keys: on a small case in
+    float32 it equals the written-out formula at every sampled position, and a wrong output fails."""
+    spec = speed_ratios.speed_spec("attention.sparse_dsa")
+    reference = load_problem_module(PackageSpec("reference", ROOT / "reference"), "attention.sparse_dsa")
+    args = spec.inputs((2, 40, 3, 16, 7), "float32", seed=5, device=torch.device("cpu"))
+    q, k, v, indices, _ = args
+    output, _ = reference.sparse_attention_torch(q.detach(), k.detach(), v.detach(), indices)
+    for seed in range(3):
+        expected = spec.oracle(args, seed)
+        torch.testing.assert_close(expected, sample(output, seed), rtol=1e-5, atol=1e-5)
+        with pytest.raises(Exception, match="differs from the expected one"):
+            check_sample(sample(output * 1.01, seed), expected, torch.float32, "a wrong output")
+
+
 def test_the_gpu_lane_sees_the_gpus_the_copy_hid(monkeypatch, tmp_path):
     monkeypatch.setattr(students_copy, "RELEASE_FOLDER", tmp_path)
     monkeypatch.setattr(students_copy, "_hidden", students_copy._NOT_SET)

@@ -1,13 +1,14 @@
-"""What the attention family's speed tests time: the sliding window's or the chunked form's forward and backward at a
-training shape, beside torch's FlashAttention-2 (causal, forward and backward) on the same q, k, v, and the oracle the
-students' copy checks a timed output against (grader.speed.grading). Module-level functions: the student's worker
-builds the same inputs by name."""
+"""What the attention family's speed tests time: the sliding window's, the sparse attention's or the chunked form's
+forward and backward at a training shape, beside torch's FlashAttention-2 (causal, forward and backward) on the same
+q, k, v, and the oracle the students' copy checks a timed output against (grader.speed.grading). Module-level
+functions: the student's worker builds the same inputs by name."""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
 
+from grader.attention.dsa_cases import causal_topk
 from grader.attention.linear_cases import GATED_DELTANET, LINEAR_ATTENTION, MAMBA2, Recurrence, recurrence_stepwise
 from grader.speed.grading import SpeedSpec
 from grader.speed.timing import sample_positions
@@ -128,10 +129,60 @@ def sampled_sliding_window(args: tuple, seed: int) -> torch.Tensor:
     return torch.stack(values).to("cpu", torch.float64)
 
 
+def sparse_attention_inputs(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple:
+    """q, k, v requiring gradients, each query's top-k of random scores, and dO, for shape
+    (batch, seq, heads, head_dim, topk)."""
+    batch, seq, heads, head_dim, topk = shape
+    generator = torch.Generator(device=device).manual_seed(seed)
+
+    def normal(*size):
+        return torch.randn(size, generator=generator, device=device, dtype=getattr(torch, dtype))
+
+    q, k, v = normal(batch, seq, heads, head_dim), normal(batch, seq, head_dim), normal(batch, seq, head_dim)
+    indices = causal_topk(torch.rand(batch, seq, seq, generator=generator, device=device), topk)
+    return (q.requires_grad_(True), k.requires_grad_(True), v.requires_grad_(True), indices,
+            normal(batch, seq, heads, head_dim))
+
+
+def sparse_forward_backward(function, q, k, v, indices, grad_o) -> torch.Tensor:
+    """The timed call of the sparse attention problem: the forward, then the gradients of q, k and v."""
+    from grader.sandbox.guards import torch_compute_allowed
+
+    output = function(q, k, v, indices)
+    with torch_compute_allowed():  # autograd's own bookkeeping; the probe tests hold the backward to Triton
+        torch.autograd.grad(output, (q, k, v), grad_o)
+    return output.detach()
+
+
+def dense_causal_flash(q, k, v, indices):
+    """torch's FlashAttention-2, causal over every key, on the sparse problem's tensors (k and v repeated per head)."""
+    heads = q.shape[2]
+    q, k, v = q.transpose(1, 2), *(t[:, None].expand(-1, heads, -1, -1).contiguous() for t in (k, v))
+    return flash_attention_causal(q, k, v).transpose(1, 2)
+
+
+@torch.no_grad()
+def sampled_sparse_attention(args: tuple, seed: int) -> torch.Tensor:
+    """The true output at the sampled positions, each from its query's selected keys in float32 on the device."""
+    q, k, v, indices, _ = args
+    batch, seq, heads, head_dim = q.shape
+    values = []
+    for position in sample_positions(q.numel(), seed).tolist():
+        row, column = divmod(position, head_dim)
+        token, head = divmod(row, heads)
+        b, t = divmod(token, seq)
+        keys = indices[b, t][indices[b, t] >= 0]
+        weights = torch.softmax(k[b, keys].float() @ q[b, t, head].float() / head_dim**0.5, dim=0)
+        values.append(weights @ v[b, keys, column].float())
+    return torch.stack(values).to("cpu", torch.float64)
+
+
 SPEEDS = {
     "attention.sliding_window": SpeedSpec("sliding_window_attention", baseline=flash_attention_causal,
                                           inputs=sliding_window_inputs, harness=window_forward_backward,
                                           oracle=sampled_sliding_window),
+    "attention.sparse_dsa": SpeedSpec("sparse_attention", baseline=dense_causal_flash, inputs=sparse_attention_inputs,
+                                      harness=sparse_forward_backward, oracle=sampled_sparse_attention),
     "attention.linear_attention": SpeedSpec("linear_attention_chunked", baseline=flash_attention_causal,
                                             inputs=linear_attention_inputs, harness=forward_backward,
                                             oracle=_sampled(LINEAR_ATTENTION)),
