@@ -1,0 +1,132 @@
+"""The DeepSeek sparse attention reference on one GPU: attention over each query's top-k keys (forward, and forward
+with backward) against dense causal attention of the same shape, with the indexer and the selection timed apart.
+
+    python benchmarks/sparse_dsa.py
+
+writes benchmarks/results/sparse_dsa.md. Shapes: batch 1, T = 8192 and 32768, topk = 2048, head size 128,
+bfloat16, 16, 64 and 128 query heads sharing one key and one value per token (the MQA form DeepSeek runs it in). Dense
+causal attention is the FlashAttention-2 reference of the kernels family and torch's own FlashAttention-2, both given
+the keys and values repeated per head; it does T^2 / 2 score entries per head, the sparse kernels T topk, so the
+ideal speed-up is T / (2 topk) (8 at T = 32768) and the target is 5. The selection the sparse kernels are timed on is
+each query's top-k of random scores; the indexer (8 heads of size 64) and select_topk are timed on their own rows of
+the table. Times are medians of CUDA-event timings (triton.testing.do_bench); the backward is torch.autograd.grad to
+q, k and v.
+
+The backward adds every selected key's dK and dV rows with float32 atomics: 2 topk d adds per query and block of
+heads, whatever the number of heads, against dense attention's work that grows with the heads. So the speed-up of
+forward and backward grows with the heads and the length, and stays below the forward's.
+"""
+
+from __future__ import annotations
+
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import triton
+import triton.testing
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from grader.attention.dsa_cases import causal_topk
+from reference.attention.sparse_dsa import indexer_scores, select_topk, sparse_attention
+from reference.kernels.flash_attention_triton import flash_attention
+
+BATCH, HEAD_DIM, TOPK = 1, 128, 2048
+HEAD_COUNTS = (16, 64, 128)
+LENGTHS = (8192, 32768)
+INDEX_HEADS, INDEX_DIM = 8, 64
+TARGET = 5.0  # dense causal time / sparse time at T = 32768
+DTYPE = torch.bfloat16
+RESULTS = ROOT / "benchmarks" / "results" / "sparse_dsa.md"
+
+
+def normal(*size, generator) -> torch.Tensor:
+    return torch.randn(size, generator=generator, device="cuda", dtype=DTYPE)
+
+
+def milliseconds(call) -> float:
+    return triton.testing.do_bench(call, warmup=5, rep=100, return_mode="median")
+
+
+def forward_and_backward(function, tensors: list[torch.Tensor], backward: bool):
+    def call():
+        out = function(*tensors)
+        if backward:
+            torch.autograd.grad(out, tensors, torch.ones_like(out))
+    return call
+
+
+def torch_flash(q, k, v):
+    with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.FLASH_ATTENTION):
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def attention_rows(seq: int, heads: int) -> list[tuple]:
+    """(pass, sparse ms, dense reference ms, torch flash ms) for forward and for forward with backward."""
+    generator = torch.Generator(device="cuda").manual_seed(seq + heads)
+    q = normal(BATCH, seq, heads, HEAD_DIM, generator=generator).requires_grad_(True)
+    k, v = (normal(BATCH, seq, HEAD_DIM, generator=generator).requires_grad_(True) for _ in range(2))
+    indices = causal_topk(torch.rand(BATCH, seq, seq, generator=generator, device="cuda"), TOPK)
+    # Dense attention on [batch, heads, seq, head_dim] with the shared keys and values repeated per head.
+    dense = [q.detach().transpose(1, 2).contiguous().requires_grad_(True),
+             *(t.detach()[:, None].expand(-1, heads, -1, -1).contiguous().requires_grad_(True) for t in (k, v))]
+    rows = []
+    for backward in (False, True):
+        sparse_ms = milliseconds(forward_and_backward(lambda *t: sparse_attention(*t, indices), [q, k, v], backward))
+        reference_ms = milliseconds(forward_and_backward(lambda *t: flash_attention(*t, is_causal=True), dense,
+                                                         backward))
+        torch_ms = milliseconds(forward_and_backward(torch_flash, dense, backward))
+        rows.append(("fwd+bwd" if backward else "fwd", sparse_ms, reference_ms, torch_ms))
+    return rows
+
+
+def selection_ms(seq: int) -> tuple[float, float]:
+    """(indexer_scores ms, select_topk ms) at `seq`."""
+    generator = torch.Generator(device="cuda").manual_seed(seq)
+    q_idx = normal(BATCH, seq, INDEX_HEADS, INDEX_DIM, generator=generator)
+    k_idx = normal(BATCH, seq, INDEX_DIM, generator=generator)
+    weights = normal(BATCH, seq, INDEX_HEADS, generator=generator)
+    scores = indexer_scores(q_idx, k_idx, weights)
+    return (milliseconds(lambda: indexer_scores(q_idx, k_idx, weights)),
+            milliseconds(lambda: select_topk(scores, TOPK)))
+
+
+def main() -> None:
+    lines = [
+        "# DeepSeek sparse attention: the reference against dense causal attention",
+        "",
+        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, Python "
+        f"{platform.python_version()}. Batch {BATCH}, head size {HEAD_DIM}, topk {TOPK}, {DTYPE}; keys and values "
+        "shared by the heads (repeated per head for dense attention). Medians of triton.testing.do_bench.",
+        "",
+        f"Target at T = {LENGTHS[-1]}: dense / sparse >= {TARGET} (ideal T / (2 topk) = {LENGTHS[-1] / (2 * TOPK):g}).",
+        "",
+        "| heads | T | pass | sparse ms | dense reference ms | dense / sparse | target met | torch flash ms | "
+        "torch / sparse |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for heads in HEAD_COUNTS:
+        for seq in LENGTHS:
+            for name, sparse, dense, torch_ms in attention_rows(seq, heads):
+                met = ("yes" if dense / sparse >= TARGET else "no") if seq == LENGTHS[-1] else ""
+                lines.append(f"| {heads} | {seq} | {name} | {sparse:.2f} | {dense:.2f} | {dense / sparse:.1f} | "
+                             f"{met} | {torch_ms:.2f} | {torch_ms / sparse:.1f} |")
+                print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    lines += ["", f"The selection, apart: the indexer ({INDEX_HEADS} heads of size {INDEX_DIM}, float32 scores "
+              "[batch, T, T]) and select_topk (torch.topk over int64 keys that break ties toward the lower key).", "",
+              "| T | indexer_scores ms | select_topk ms |", "|---|---|---|"]
+    for seq in LENGTHS:
+        indexer, topk = selection_ms(seq)
+        lines.append(f"| {seq} | {indexer:.2f} | {topk:.2f} |")
+        print(lines[-1], flush=True)
+        torch.cuda.empty_cache()
+    RESULTS.write_text("\n".join(lines) + "\n")
+    print(f"wrote {RESULTS}")
+
+
+if __name__ == "__main__":
+    main()
