@@ -129,7 +129,7 @@ class MultiHeadLatentAttention(nn.Module):
             raise ValueError(f"decode takes one token per sequence of the cache's batch {cache.latent.shape[0]}, "
                              f"got h of shape {tuple(h.shape)}")
         acc = _accumulation_dtype(h.dtype)
-        position = torch.tensor([cache.latent.shape[1]], device=h.device)
+        position = torch.arange(cache.latent.shape[1], cache.latent.shape[1] + 1, device=h.device)  # no host copy
         new = self._latents(h, position)
         cache = MLACache(torch.cat([cache.latent, new.latent], dim=1), torch.cat([cache.rope_key, new.rope_key], 1))
         q, q_rope = self._queries(h, position)  # [B, H, 1, d_h], [B, H, 1, d_r]
@@ -137,13 +137,14 @@ class MultiHeadLatentAttention(nn.Module):
         # Every head scores the same cached latents: its H absorbed queries W_UK,i^T q_i are the rows of one [H, d_c]
         # matrix per sequence, so one batched product reads the cache once (a broadcast over heads would copy it H
         # times).
-        q_latent = (q @ key_up).squeeze(2)  # [B, H, d_c]
+        # One product per head with the batch as its rows: a broadcast q @ key_up would copy key_up once per sequence.
+        q_latent = torch.einsum("bhd,hdc->bhc", q.squeeze(2), key_up)  # [B, H, d_c]
         latent, rope_key = cache.latent.to(acc), cache.rope_key.to(acc)  # [B, t, d_c], [B, t, d_r]
         scores = torch.bmm(q_latent, latent.transpose(1, 2)) + torch.bmm(q_rope.squeeze(2), rope_key.transpose(1, 2))
         weights = torch.softmax(scores / math.sqrt(c.head_dim + c.rope_dim), dim=-1)  # [B, H, t]
         mixed = torch.bmm(weights, latent)  # sum_s p_s c_s per head: [B, H, d_c]
         value_up = self.value_up.weight.to(acc).view(c.n_heads, c.head_dim, c.latent_dim)
-        heads = (mixed[:, :, None] @ value_up.transpose(-1, -2)).reshape(batch, 1, c.n_heads * c.head_dim)
+        heads = torch.einsum("bhc,hdc->bhd", mixed, value_up).reshape(batch, 1, c.n_heads * c.head_dim)
         return self.out(heads.to(h.dtype)), cache
 
     def cache_bytes_per_token(self) -> int:
