@@ -16,6 +16,7 @@ import torch
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
+from grader.attention import work_growth
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.strategies import dims, size_scale
 from grader.kernels.attention_cases import REGIMES, SHARP_FACTOR, Expected, check_rules, head_dims, observe
@@ -345,56 +346,30 @@ def _random_inputs(seq: int, heads: int, head_dim: int, topk: int, dtype: torch.
 
 def loaded_lanes(module, lengths: tuple[int, ...], topk: int) -> list[int]:
     """In the worker, under the interpreter: the load lanes of one forward and backward at each length."""
-    from grader.sandbox.triton_traffic import TRAFFIC
-
     counts = []
     for seq in lengths:
         q, k, v, indices, grad_o = _random_inputs(seq, 2, 16, topk, torch.float32, "cpu")
-        with TRAFFIC.recording():
-            getattr(module, FUNCTION)(q, k, v, indices).backward(grad_o)
-            counts.append(TRAFFIC.loaded_lanes)
+        counts.append(work_growth.loaded_lanes(
+            lambda: getattr(module, FUNCTION)(q, k, v, indices).backward(grad_o)))
     return counts
 
 
 def seconds_per_call(module, lengths: tuple[int, ...], topk: int) -> list[float]:
     """In the worker, on the GPU: the median time of one forward and backward at each length (bfloat16, 16 heads,
-    head size 64), timed with CUDA events after warm-up calls."""
+    head size 64)."""
     times = []
     for seq in lengths:
         q, k, v, indices, grad_o = _random_inputs(seq, 16, 64, topk, torch.bfloat16, "cuda")
-        samples = []
-        for index in range(13):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            torch.autograd.grad(getattr(module, FUNCTION)(q, k, v, indices), (q, k, v), grad_o)
-            end.record()
-            torch.cuda.synchronize()
-            if index >= 3:
-                samples.append(start.elapsed_time(end) / 1000)
-        times.append(sorted(samples)[len(samples) // 2])
+        times.append(work_growth.median_seconds(
+            lambda: torch.autograd.grad(getattr(module, FUNCTION)(q, k, v, indices), (q, k, v), grad_o)))
     return times
 
 
 def check_work_growth(counts: list[int], lengths: tuple[int, ...], topk: int) -> None:
-    first, second = counts[1] - counts[0], counts[2] - counts[1]
-    if first <= 0:
-        raise WrongAnswer(f"the kernels loaded {counts[0]} lanes at seq = {lengths[0]} and {counts[1]} at "
-                          f"{lengths[1]} (topk {topk}): no more work for more queries")
-    if second > WORK_GROWTH_LIMIT * first:
-        raise WrongAnswer(
-            f"forward and backward loaded {counts} lanes (masked lanes included) at seq = {list(lengths)}, topk "
-            f"{topk}: the second {lengths[1] - lengths[0]} extra queries cost {second / first:.2f}x the first, above "
-            f"{WORK_GROWTH_LIMIT}; attention over topk selected keys does the same work for every query, so the "
-            f"kernels must gather the selected rows instead of walking every earlier key"
-        )
+    work_growth.check_work_growth(counts, lengths, f"topk {topk}", WORK_GROWTH_LIMIT,
+                                  "attention over topk selected keys does the same work for every query, so the "
+                                  "kernels must gather the selected rows instead of walking every earlier key")
 
 
 def check_time_growth(times: list[float], lengths: tuple[int, ...], topk: int) -> None:
-    ratio = times[1] / times[0]
-    if ratio > TIME_RATIO_LIMIT:
-        raise WrongAnswer(
-            f"forward and backward took {times[0] * 1e3:.2f} ms at seq = {lengths[0]} and {times[1] * 1e3:.2f} ms at "
-            f"seq = {lengths[1]} (topk {topk}): {ratio:.1f}x for {lengths[1] // lengths[0]}x the queries, above "
-            f"{TIME_RATIO_LIMIT}; work linear in seq takes {lengths[1] // lengths[0]}x, dense causal attention's "
-            f"{(lengths[1] // lengths[0]) ** 2}x"
-        )
+    work_growth.check_time_growth(times, lengths, f"topk {topk}", TIME_RATIO_LIMIT)
