@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import threading
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -27,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 
 from grader.sandbox.triton_traffic import TRAFFIC, byte_range
+from grader.session import backend
 
 # Attribute on every wrapper that holds the function it replaced; re-installing
 # wraps that original again instead of stacking a second wrapper on top.
@@ -47,7 +47,7 @@ def _interpreting() -> bool:
     knobs = getattr(triton, "knobs", None)
     if knobs is not None:
         return bool(knobs.runtime.interpret)
-    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
+    return backend.interpreting()
 
 
 def _kernel_name(kernel: Any) -> str:

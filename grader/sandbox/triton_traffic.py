@@ -24,7 +24,6 @@ interpreter's tensors on CPU, from each compiled kernel's Triton IR on a GPU. Ti
 from __future__ import annotations
 
 import contextlib
-import os
 import re
 from typing import Any
 
@@ -32,6 +31,7 @@ import numpy as np
 import torch
 
 from grader.sandbox import allowed_ops
+from grader.session import backend
 
 # torch operators that copy values from a source tensor into a new (or given) tensor, element for element.
 COPY_OPS = ("aten._to_copy", "aten.clone", "aten.contiguous", "aten.copy_", "aten.lift_fresh_copy")
@@ -76,7 +76,7 @@ class TrafficRecorder:
     @contextlib.contextmanager
     def recording(self):
         """Record inside the block: by address under Triton's interpreter, by launch argument on a GPU."""
-        self.start(by_address=os.environ.get("TRITON_INTERPRET") == "1")
+        self.start(by_address=backend.interpreting())
         try:
             yield self
         finally:

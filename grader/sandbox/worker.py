@@ -28,6 +28,7 @@ from grader.sandbox import guards
 from grader.sandbox.allowed_ops import ALLOWED_OPS
 from grader.sandbox.triton_traffic import TRAFFIC
 from grader.sandbox.wire import decode, encode, to_plain
+from grader.session import backend
 from grader.session.packages import PackageSpec, load_problem_module
 from grader.speed import timing
 
@@ -66,7 +67,7 @@ class Worker:
         if self.allow_only is not None:
             guards.watch_value_reads()
         self.launches = None
-        if os.environ.get("TRITON_INTERPRET") == "1" or start.get("uses_triton"):
+        if backend.interpreting() or start.get("uses_triton"):
             from grader.sandbox import triton_hooks
 
             triton_hooks.install_all()

@@ -17,7 +17,7 @@ MIN_INTERPRETER_TRITON = (3, 9)
 
 def use_interpreter_without_gpu() -> None:
     """Set TRITON_INTERPRET=1 when there is no GPU. The variable is read once, when triton is first imported."""
-    if torch.cuda.is_available() or os.environ.get("TRITON_INTERPRET") == "1":
+    if torch.cuda.is_available() or interpreting():
         return
     if "triton" in sys.modules:
         raise RuntimeError("triton was imported before the grader could select its interpreter (no GPU here)")
@@ -29,7 +29,8 @@ def device() -> torch.device:
 
 
 def interpreting() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    """Whether Triton runs (or will run, once imported) its interpreter: TRITON_INTERPRET read as Triton reads it."""
+    return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
 def release(version: str) -> tuple[int, ...]:
