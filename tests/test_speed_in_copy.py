@@ -37,6 +37,13 @@ def single_gpu_speed_problems():
 NOT_YET_MEASURED: set[str] = set()
 # Problems whose copy checks a timed output against the recurrence run step by step on the device.
 RECURRENCE_ORACLE = ("attention.gated_deltanet", "attention.linear_attention", "attention.mamba2")
+# Problems whose copy checks a timed output against the attention formula written out at the sampled positions, each
+# with the small case it is checked on, in its own order of dimensions: (batch, heads, seq, head_dim, window) for the
+# sliding window, (batch, seq, heads, head_dim, topk) for sparse DSA.
+FORMULA_ORACLE_SHAPES = {
+    "attention.sliding_window": (2, 3, 40, 16, 7),
+    "attention.sparse_dsa": (2, 40, 3, 16, 7),
+}
 
 
 def ratio_case(problem):
@@ -122,29 +129,17 @@ def test_the_linear_attention_oracles_agree_with_the_reference(problem_id):
             check_sample(sample(output * 1.01, seed), expected, torch.float32, "a wrong output")
 
 
-def test_the_sliding_window_oracle_agrees_with_the_formula():
-    """The copy checks a timed sliding-window output row by row: on a small case in float32 it equals the written-out
-    formula at every sampled position, and a wrong output fails."""
-    spec = speed_ratios.speed_spec("attention.sliding_window")
-    reference = load_problem_module(PackageSpec("reference", ROOT / "reference"), "attention.sliding_window")
-    args = spec.inputs((2, 3, 40, 16, 7), "float32", seed=5, device=torch.device("cpu"))
-    q, k, v, window, _ = args
-    output, _ = reference.sliding_window_attention_torch(q.detach(), k.detach(), v.detach(), window)
-    for seed in range(3):
-        expected = spec.oracle(args, seed)
-        torch.testing.assert_close(expected, sample(output, seed), rtol=1e-5, atol=1e-5)
-        with pytest.raises(Exception, match="differs from the expected one"):
-            check_sample(sample(output * 1.01, seed), expected, torch.float32, "a wrong output")
-
-
-def test_the_sparse_attention_oracle_agrees_with_the_formula():
-    """The copy checks a timed sparse-attention output from each sampled query's selected keys: on a small case in
-    float32 it equals the written-out formula at every sampled position, and a wrong output fails."""
-    spec = speed_ratios.speed_spec("attention.sparse_dsa")
-    reference = load_problem_module(PackageSpec("reference", ROOT / "reference"), "attention.sparse_dsa")
-    args = spec.inputs((2, 40, 3, 16, 7), "float32", seed=5, device=torch.device("cpu"))
-    q, k, v, indices, _ = args
-    output, _ = reference.sparse_attention_torch(q.detach(), k.detach(), v.detach(), indices)
+@pytest.mark.parametrize("problem_id", FORMULA_ORACLE_SHAPES)
+def test_the_sliding_window_and_sparse_oracles_agree_with_the_formula(problem_id):
+    """The copy checks a timed sliding-window output row by row, and a sparse-attention one from each sampled query's
+    selected keys: on a small case in float32 each equals the written-out formula at every sampled position, and a
+    wrong output fails."""
+    spec = speed_ratios.speed_spec(problem_id)
+    reference = load_problem_module(PackageSpec("reference", ROOT / "reference"), problem_id)
+    args = spec.inputs(FORMULA_ORACLE_SHAPES[problem_id], "float32", seed=5, device=torch.device("cpu"))
+    # The fourth input says which keys each query sees: the window, or each query's selected key indices.
+    q, k, v, keys_seen, _ = args
+    output, _ = getattr(reference, spec.function + "_torch")(q.detach(), k.detach(), v.detach(), keys_seen)
     for seed in range(3):
         expected = spec.oracle(args, seed)
         torch.testing.assert_close(expected, sample(output, seed), rtol=1e-5, atol=1e-5)

@@ -19,7 +19,17 @@ from assignment.registry import BY_ID
 from grader.attention import work_growth
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.strategies import dims, size_scale
-from grader.kernels.attention_cases import REGIMES, SHARP_FACTOR, Expected, check_rules, head_dims, observe
+from grader.kernels.attention_cases import (
+    REGIMES,
+    SHARP_FACTOR,
+    Expected,
+    check_rules,
+    describe_saved,
+    function_node,
+    head_dims,
+    is_square,
+    observe,
+)
 from grader.session.context import current
 
 PROBLEM = BY_ID["attention.sparse_dsa"]
@@ -314,8 +324,6 @@ def gradient_term_scales(q, k, v, indices, grad_o) -> tuple[float, float, float]
 
 def check_saved(report: dict, seq: int, context: str) -> None:
     """Exactly (q, k, v, o, L, indices) saved, nothing kept on ctx, and no tensor spanning the sequence twice."""
-    from grader.kernels.attention_cases import describe_saved, function_node, is_square
-
     function_node(report, context, FUNCTION_CLASS)
     square = [shape for shape, _ in report["saved"] if is_square(shape, seq)]
     if square:
