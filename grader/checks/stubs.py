@@ -14,6 +14,8 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
+from grader.checks.answers import unanswered
+
 
 def _is_docstring(statement: ast.stmt) -> bool:
     return isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant) and isinstance(
@@ -63,9 +65,13 @@ def stub_functions(module_file: Path) -> frozenset[str]:
 
 
 def all_stubs(module_file: Path) -> bool:
-    """Whether the module defines stubs and every function is a stub or given: nothing of the problem is done yet."""
+    """Whether the module defines stubs and every function is a stub or given, or is an answer sheet with no answer
+    yet (grader.checks.answers): nothing of the problem is done yet."""
     try:
-        found = functions(module_file.read_text())
+        source = module_file.read_text()
+        found = functions(source)
     except (OSError, SyntaxError, UnicodeDecodeError, ValueError):
         return False
+    if not found:
+        return unanswered(source)
     return "stub" in found.values() and set(found.values()) <= {"stub", "given"}
