@@ -19,7 +19,7 @@ import torch
 from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
 from grader import expectations
-from grader.checks import profiles, stubs
+from grader.checks import answers, profiles, stubs
 from grader.checks.outcomes import NotImplementedByStudent
 from grader.cluster.snapshot import snapshot
 from grader.distributed.launcher import RankJob, launcher_for
@@ -66,6 +66,8 @@ __all__ = [
     "problem",
     "reference",
     "student",
+    "sheet",
+    "student_of",
     "ranks",
     "student_budget",
     "partial_credit",
@@ -122,6 +124,7 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
+    config.addinivalue_line("markers", "timed_on_gpu: times the student's kernels on a GPU (grader.checks.marks)")
     refusal = backend.interpreter_refusal()
     if refusal is not None:
         raise pytest.UsageError(refusal)
@@ -311,23 +314,55 @@ def reference(request: pytest.FixtureRequest, problem: Problem):
     return budget.TimedReference(module, problem.id, recording=store is not None)
 
 
-@pytest.fixture(scope="module")
-def student(request: pytest.FixtureRequest, problem: Problem):
-    """The student's module, behind a worker process. See grader.sandbox.client.Sandbox."""
+def sandbox_for(config: pytest.Config, problem: Problem) -> Sandbox:
+    """The student's module of `problem`, behind a worker process under that problem's rules."""
     context = current()
-    sandbox = Sandbox(
+    return Sandbox(
         problem.id,
         context.graded,
         context.reference,
         isolation=context.isolation,
-        call_timeout_s=problem.call_timeout_s * request.config.getoption("--timeout-scale"),
+        call_timeout_s=problem.call_timeout_s * config.getoption("--timeout-scale"),
         forbidden_ops=problem.forbidden_ops,
         uses_triton=problem.uses_triton,
         forbid_torch_data_parallel=problem.family == "parallel",
         stubs=stubs.stub_functions(context.graded.module_file(problem.id)),
     )
+
+
+@pytest.fixture(scope="module")
+def student(request: pytest.FixtureRequest, problem: Problem):
+    """The student's module, behind a worker process. See grader.sandbox.client.Sandbox."""
+    sandbox = sandbox_for(request.config, problem)
     yield sandbox
     sandbox.close()
+
+
+@pytest.fixture(scope="module")
+def sheet(problem: Problem) -> dict:
+    """An analysis problem's answers, read from the student's sheet without running it (grader.checks.answers)."""
+    return answers.read_sheet(current().graded.module_file(problem.id))
+
+
+@pytest.fixture
+def student_of(request: pytest.FixtureRequest):
+    """Opens the student's module of another problem, one that an analysis question measures: call with its id. It
+    runs under that problem's rules and this test's budget, and is closed when the test ends."""
+    opened = []
+
+    def open_module(problem_id: str) -> Sandbox:
+        other = registry.BY_ID[problem_id]
+        module_file = current().graded.module_file(problem_id)
+        if not module_file.exists() or stubs.all_stubs(module_file):
+            raise NotImplementedByStudent(f"{problem_id} is not implemented, and this question measures it")
+        sandbox = sandbox_for(request.config, other)
+        sandbox.begin_test(budget.active())
+        opened.append(sandbox)
+        return sandbox
+
+    yield open_module
+    for sandbox in opened:
+        sandbox.close()
 
 
 class Ranks:
@@ -534,9 +569,10 @@ def pytest_collection_finish(session: pytest.Session) -> None:
 def pytest_runtestloop(session: pytest.Session):
     """Where the tests run. With --jobs N and more than one problem selected, in N lanes (grader.session.lanes), not
     here. In the students' copy, which grades on the CPU, the speed tests wait for the GPU lane, which runs them after
-    the others with the GPUs visible (grader.expectations.students_copy)."""
+    the others with the GPUs visible (grader.expectations.students_copy), with the tests marked timed_on_gpu."""
     every_item = list(session.items)
-    speed_items = [item for item in every_item if group_of(item) == "speed"] if wants_gpu_lane(session) else []
+    speed_items = [item for item in every_item if group_of(item) == "speed" or item.get_closest_marker("timed_on_gpu")
+                   ] if wants_gpu_lane(session) else []
     session.items[:] = [item for item in every_item if item not in speed_items]
     try:
         if graded_in_lanes(session):

@@ -92,8 +92,9 @@ class ProblemScore:
             for result in self.results:
                 if result.status == status:
                     return result.short_reason
-        partial = [r for r in self.results if r.status == "passed" and r.fraction < 1]
-        return partial[0].short_reason if partial else ""
+        # A pass that earned part of its points says why; so does a full pass with a note (what it could check here).
+        noted = [r for r in self.results if r.status == "passed" and (r.fraction < 1 or r.message)]
+        return noted[0].short_reason if noted else ""
 
 
 def by_problem(results: list[TestResult]) -> list[ProblemScore]:

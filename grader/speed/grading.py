@@ -159,10 +159,9 @@ class SpeedSpec:
         return SpeedVerdict(medians["student"], medians["reference"], medians["baseline"],
                             tier_fraction(medians["student"] / medians["reference"], threshold))
 
-    def run_from_ratio(self, student, case: tuple, threshold: SpeedThreshold, reference_over_baseline: float | None,
-                       seed: int | None = None) -> SpeedVerdict:
-        """The student against the baseline alone, the reference's time estimated from the stored ratio; without
-        one, the verdict earns nothing (its reference_ms is NaN)."""
+    def against_baseline(self, student, case: tuple, seed: int | None = None) -> dict[str, float]:
+        """The median milliseconds of the student ("student") and the baseline ("baseline") alternating, each timed
+        student output checked against the baseline's or the oracle's."""
         runners = {"student": self.student_runner(student, case),
                    "baseline": grader_runner(Timer(torch.device("cuda")), self.timed(self.baseline))}
 
@@ -171,7 +170,13 @@ class SpeedSpec:
                          self.expected_sample(args, outputs["baseline"], sample_seed), getattr(torch, case[1]),
                          f"{self.function}() on {case}")
 
-        medians = alternate(runners, self.inputs, case, seed=seed, after_round=check)
+        return alternate(runners, self.inputs, case, seed=seed, after_round=check)
+
+    def run_from_ratio(self, student, case: tuple, threshold: SpeedThreshold, reference_over_baseline: float | None,
+                       seed: int | None = None) -> SpeedVerdict:
+        """The student against the baseline alone, the reference's time estimated from the stored ratio; without
+        one, the verdict earns nothing (its reference_ms is NaN)."""
+        medians = self.against_baseline(student, case, seed)
         if reference_over_baseline is None:
             return SpeedVerdict(medians["student"], float("nan"), medians["baseline"], 0.0, estimated=True)
         reference_ms = medians["baseline"] * reference_over_baseline
