@@ -86,10 +86,11 @@ class Problem:
     held_fraction: float | None = None
     # parallel.fsdp: the error multiple of its bf16 compute test (bf16 rounding compounds over the training steps).
     bf16_error_multiple: float | None = None
-    # Parallel family: per test group, what its points rest on. "outside": values the grader compares with its own
-    # computation, which a rank given only its own inputs cannot produce without its peers; "in-process": what the
-    # student's process records about itself (collectives, phases, memory, raised exceptions), which catches honest
-    # mistakes but can be forged by code that rewrites its own process. The handout prints it.
+    # Parallel family and analysis problems: per test group, what its points rest on. "outside": values the grader
+    # compares with its own computation, which a rank given only its own inputs cannot produce without its peers (or an
+    # answer sheet read as data); "in-process": what the student's process records about itself (collectives, phases,
+    # memory, raised exceptions), which catches honest mistakes but can be forged by code that rewrites its own
+    # process. The handout prints it.
     evidence: dict[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -142,6 +143,11 @@ ATTENTION_FORBIDDEN_OPS = (
 # The linear-attention problems write their own recurrences; softmax attention is not part of any of them.
 LINEAR_ATTENTION_FORBIDDEN_OPS = ATTENTION_FORBIDDEN_OPS[:6]
 
+# An analysis problem's answers are data, read from the student's sheet in the grader's process (grader.checks.answers).
+SHEET_EVIDENCE = "outside: the answer sheet is read as data in the grader's process and compared with its derivation"
+# The timing of a measured answer runs in the student's worker, as the speed tests' does (grader.speed.grading).
+MEASURED_EVIDENCE = ("in-process: on a GPU, compared with the grader's timing of your kernel, taken in your worker; "
+                     "without one, checked for consistency only")
 
 PROBLEMS: tuple[Problem, ...] = (
     Problem(
@@ -311,6 +317,26 @@ PROBLEMS: tuple[Problem, ...] = (
         # Forward only, against the reference and torch's FlashAttention-2 (SDPA's flash backend); shape is
         # (batch, heads, seq, head_dim, causal).
         speed=SpeedThreshold(shapes=((4, 16, 4096, 64, 0), (4, 16, 4096, 128, 1)), dtypes=("bfloat16",)),
+    ),
+    Problem(
+        id="kernels.analysis",
+        title="Analysis questions: Triton kernels",
+        hours=2,
+        learns="to measure what your kernels reach against a copy's bandwidth, and to count the work and traffic of a "
+        "tiled matmul and of FlashAttention before writing them",
+        points={
+            "softmax_copy_fraction": 3,
+            "softmax_small_reason": 2,
+            "matmul_tile_intensity": 2,
+            "flash_key_blocks": 2,
+        },
+        world_sizes=(),
+        evidence={
+            "softmax_copy_fraction": MEASURED_EVIDENCE,
+            "softmax_small_reason": SHEET_EVIDENCE,
+            "matmul_tile_intensity": SHEET_EVIDENCE,
+            "flash_key_blocks": SHEET_EVIDENCE,
+        },
     ),
     Problem(
         id="attention.sliding_window",
@@ -504,6 +530,26 @@ PROBLEMS: tuple[Problem, ...] = (
         budgets={"ci": 5, "public": 20, "grading": 100},
     ),
     Problem(
+        id="attention.analysis",
+        title="Analysis questions: attention",
+        hours=2,
+        learns="to price each attention variant in query-key pairs and cache bytes, and to measure how much of the "
+        "work a sliding window saves turns into speed",
+        points={
+            "window_work_ratio": 2,
+            "sliding_window_speedup": 3,
+            "dsa_attended_fraction": 2,
+            "mla_cache_ratio": 2,
+        },
+        world_sizes=(),
+        evidence={
+            "window_work_ratio": SHEET_EVIDENCE,
+            "sliding_window_speedup": MEASURED_EVIDENCE,
+            "dsa_attended_fraction": SHEET_EVIDENCE,
+            "mla_cache_ratio": SHEET_EVIDENCE,
+        },
+    ),
+    Problem(
         id="moe.router",
         title="Top-k token-choice router",
         hours=3,
@@ -665,6 +711,26 @@ PROBLEMS: tuple[Problem, ...] = (
             "invalid_arguments": 1,
         },
         budgets={"ci": 20, "public": 100, "grading": 500},
+    ),
+    Problem(
+        id="moe.analysis",
+        title="Analysis questions: mixture of experts",
+        hours=1,
+        learns="to predict what capacity drops, what the balance loss reads when routing collapses, and how little of "
+        "a large MoE model one token uses",
+        points={
+            "capacity_slots": 1,
+            "capacity_dropped": 2,
+            "balance_loss_two_experts": 2,
+            "activated_fraction": 2,
+        },
+        world_sizes=(),
+        evidence={
+            "capacity_slots": SHEET_EVIDENCE,
+            "capacity_dropped": SHEET_EVIDENCE,
+            "balance_loss_two_experts": SHEET_EVIDENCE,
+            "activated_fraction": SHEET_EVIDENCE,
+        },
     ),
     Problem(
         id="parallel.collectives",
@@ -1006,6 +1072,26 @@ PROBLEMS: tuple[Problem, ...] = (
             "tensor_parallel_activations": "outside: numbers compared in the grader's process",
             "sequence_parallel_activations": "outside: numbers compared in the grader's process",
             "invalid_arguments": "outside: numbers compared in the grader's process",
+        },
+    ),
+    Problem(
+        id="parallel.analysis",
+        title="Analysis questions: parallel training",
+        hours=1.5,
+        learns="to size a model's state per rank under each ZeRO stage, a pipeline's micro-batches and stashed "
+        "activations, and a ring all-reduce's traffic, before running any of them",
+        points={
+            "zero_state": 3,
+            "micro_batches_for_bubble": 2,
+            "peak_micro_batches": 2,
+            "ring_all_reduce_bytes": 2,
+        },
+        world_sizes=(),
+        evidence={
+            "zero_state": SHEET_EVIDENCE,
+            "micro_batches_for_bubble": SHEET_EVIDENCE,
+            "peak_micro_batches": SHEET_EVIDENCE,
+            "ring_all_reduce_bytes": SHEET_EVIDENCE,
         },
     ),
 )

@@ -7,12 +7,23 @@ import ast
 import pytest
 
 from assignment.registry import PROBLEMS, ROOT, problem_for_test_module
+from grader.checks.answers import SheetError, literal_answers
+
+
+def answer_sheet(path) -> dict | None:
+    """The answers of an analysis problem's sheet (grader.checks.answers), or None for a module of functions."""
+    try:
+        return literal_answers(path.read_text())
+    except SheetError:
+        return None
 
 
 def public_signatures(path) -> dict[str, str]:
-    """name -> argument list, for public functions, classes and their public methods (and __init__)."""
+    """name -> argument list, for public functions, classes and their public methods (and __init__); an answer
+    sheet's question ids, in order."""
     tree = ast.parse(path.read_text())
-    signatures = {}
+    sheet = answer_sheet(path)
+    signatures = {} if sheet is None else {"ANSWERS": ", ".join(sheet)}
     for node in tree.body:
         if isinstance(node, ast.FunctionDef) and not node.name.startswith("_"):
             signatures[node.name] = ast.unparse(node.args)
@@ -83,7 +94,18 @@ def code_without_docstring(function: ast.FunctionDef) -> str:
     return ast.dump(ast.Module(body=body, type_ignores=[]))
 
 
-@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
+SHEETS = [p for p in PROBLEMS if answer_sheet(ROOT / "student_impl" / p.module_path) is not None]
+
+
+@pytest.mark.parametrize("problem", SHEETS, ids=lambda p: p.id)
+def test_an_answer_sheet_stub_answers_nothing_and_the_reference_everything(problem):
+    stub = answer_sheet(ROOT / "student_impl" / problem.module_path)
+    reference = answer_sheet(ROOT / "reference" / problem.module_path)
+    assert stub and all(value is None for value in stub.values()), f"{problem.id}: the stub gives an answer away"
+    assert all(value is not None for value in reference.values()), f"{problem.id}: the reference leaves one out"
+
+
+@pytest.mark.parametrize("problem", [p for p in PROBLEMS if p not in SHEETS], ids=lambda p: p.id)
 def test_stub_bodies_raise_not_implemented(problem):
     """Every public function of a stub (and every __init__) raises NotImplementedError, unless the stub gives it: its
     docstring then starts with "Given" (grader.checks.stubs) and its code is the reference's own, docstring aside

@@ -7,6 +7,7 @@ from __future__ import annotations
 import torch
 
 from grader.speed.grading import SpeedSpec
+from grader.speed.timing import sample
 
 
 def one_tensor(shape: tuple[int, ...], dtype: str, seed: int, device: torch.device) -> tuple[torch.Tensor]:
@@ -64,6 +65,12 @@ def sdpa_flash(q, k, v, is_causal):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=is_causal)
 
 
+def sampled_softmax(args: tuple, seed: int) -> torch.Tensor:
+    """The true softmax at the positions grader.speed.timing.sample draws with `seed`, for a spec whose baseline is
+    not a softmax."""
+    return sample(torch.softmax(args[0].float(), dim=-1), seed)
+
+
 SPEEDS = {
     "kernels.gelu": SpeedSpec("gelu", baseline=torch_gelu_tanh, inputs=one_tensor),
     "kernels.softmax": SpeedSpec("softmax", baseline=torch_softmax, inputs=one_tensor),
@@ -72,3 +79,7 @@ SPEEDS = {
     "kernels.matmul": SpeedSpec("matmul", baseline=torch.matmul, inputs=matmul_inputs),
     "kernels.flash_attention_triton": SpeedSpec("flash_attention", baseline=sdpa_flash, inputs=attention_inputs),
 }
+
+# kernels.analysis: the student's softmax beside a copy of the same tensor, which moves the same bytes (one read and
+# one write of every element), so the ratio of their times is the fraction of copy bandwidth the softmax reaches.
+SOFTMAX_BESIDE_COPY = SpeedSpec("softmax", baseline=torch.clone, inputs=one_tensor, oracle=sampled_softmax)

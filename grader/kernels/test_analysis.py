@@ -1,0 +1,53 @@
+"""Grading kernels.analysis: the Triton kernels family's analysis questions, read from the student's answer sheet.
+
+Derived answers are compared with the grader's derivation, written out below from each question's numbers. The
+copy-bandwidth fraction is measured: on a GPU the grader times the student's own softmax beside a copy, exactly as
+the question says to, and the answer must be within MEASURED_REL_TOL of that; without a GPU it can only check that
+it is consistent (a fraction of a copy), and says so.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from grader.checks.answers import check_choice, check_derived, check_measured, number
+from grader.checks.marks import timed_on_gpu
+from grader.checks.outcomes import WrongAnswer
+from grader.kernels.speed_cases import SOFTMAX_BESIDE_COPY
+
+MEASURED_REL_TOL = 0.25
+# The softmax input of the fraction, (shape, dtype) as the speed tests' cases.
+SOFTMAX_CASE = ((8192, 4096), "float32")
+# A softmax cannot move its bytes much faster than a copy of them; timing noise may put it a little above.
+MOST_COPY_FRACTION = 1.25
+
+
+@timed_on_gpu
+def test_softmax_copy_fraction(sheet, student_of, partial_credit):
+    fraction = number(sheet, "softmax_copy_fraction")
+    if not 0 < fraction <= MOST_COPY_FRACTION:
+        raise WrongAnswer(f"softmax_copy_fraction: {fraction:g} is not a fraction of copy bandwidth (0 to about 1)")
+    softmax = student_of("kernels.softmax")  # a measurement needs the kernel written, on any machine
+    if not torch.cuda.is_available():
+        partial_credit(1.0, "consistency only: no GPU here to measure your softmax on")
+        return
+    medians = SOFTMAX_BESIDE_COPY.against_baseline(softmax, SOFTMAX_CASE)
+    check_measured("softmax_copy_fraction", fraction, medians["baseline"] / medians["student"], MEASURED_REL_TOL,
+                   f"x.clone() over your softmax, {SOFTMAX_CASE[1]} {SOFTMAX_CASE[0]}, timed as the speed tests time")
+
+
+def test_softmax_small_reason(sheet):
+    check_choice(sheet, "softmax_small_reason", "b", "abcd")
+
+
+def test_matmul_tile_intensity(sheet):
+    tile, k, element_bytes = 128, 4096, 2
+    flops = 2 * tile * tile * k  # a multiply-add per (row, column, k)
+    traffic = (tile * k + k * tile) * element_bytes + tile * tile * element_bytes  # two panels in, the tile out
+    check_derived(sheet, "matmul_tile_intensity", flops / traffic, rel_tol=0.005)
+
+
+def test_flash_key_blocks(sheet):
+    query_blocks = 8192 // 128
+    # Query block i (from 0) loads key blocks 0..i: the rest lie wholly above the diagonal.
+    check_derived(sheet, "flash_key_blocks", sum(i + 1 for i in range(query_blocks)))

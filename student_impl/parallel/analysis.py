@@ -1,0 +1,21 @@
+"""Analysis questions of the parallel training family: numbers you derive, written into ANSWERS below.
+
+The grader reads this file without running it. Write each answer out as a number (an int or a float); an
+expression such as 2 * 64 is refused. Leave a question you skip as None: it shows "not answered" and costs only
+its own points. The handout's "Analysis questions" of this family state each question in full, with its unit and
+how close an answer must be.
+"""
+
+ANSWERS = {
+    # GiB (2**30 B) of model state per rank: 7e9 parameters, bf16 with Adam as in parallel.accounting, 64 ranks.
+    "zero1_gib": None,
+    "zero2_gib": None,
+    "zero3_gib": None,
+    # The least number of micro-batches that takes the bubble of an 8-stage pipeline below 5 %.
+    "micro_batches_for_bubble": None,
+    # Micro-batches whose activations stage 0 holds at its peak: 4 stages, 12 micro-batches.
+    "peak_micro_batches_gpipe": None,
+    "peak_micro_batches_1f1b": None,
+    # Bytes one rank sends in a ring all-reduce of a 1 GiB bucket over 8 ranks.
+    "ring_all_reduce_bytes": None,
+}
