@@ -105,7 +105,7 @@ def test_a_contract_line_wider_than_the_page_is_a_build_error_naming_its_line(tm
 def test_every_contract_line_fits_the_page(problem):
     stub = ROOT / build.stub_path(problem)
     source = stub.read_text()
-    overlong = build.overlong_lines(ast.parse(source), build.trailing_comments(source))
+    overlong = build.overlong_lines(ast.parse(source), build.trailing_comments(source), source)
     assert not overlong, f"{stub}: lines (number, characters) wider than {build.CONTRACT_WIDTH}: {overlong}"
 
 

@@ -247,12 +247,30 @@ def printed_lines(node, comments: dict[int, str]) -> list[tuple[int, str]]:
     return lines
 
 
-def overlong_lines(module: ast.Module, comments: dict[int, str]) -> list[tuple[int, int]]:
-    """(source line, width) of every docstring and signature line of the module wider than CONTRACT_WIDTH."""
+def answer_sheet(module: ast.Module, source: str) -> tuple[int, str] | None:
+    """An analysis problem's `ANSWERS = {...}` (grader.checks.answers) as the source writes it, with the comment
+    above each question, and its first line number; None for a module that is not an answer sheet. The last such
+    assignment, as Python and the grader read it."""
+    found = None
+    for node in module.body:
+        if isinstance(node, ast.Assign) and any(
+            isinstance(target, ast.Name) and target.id == "ANSWERS" for target in node.targets
+        ):
+            found = node.lineno, ast.get_source_segment(source, node, padded=True)
+    return found
+
+
+def overlong_lines(module: ast.Module, comments: dict[int, str], source: str) -> list[tuple[int, int]]:
+    """(source line, width) of every docstring, signature and answer-sheet line of the module wider than
+    CONTRACT_WIDTH."""
     nodes = [module] + [
         node for node in ast.walk(module) if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))
     ]
     printed = [line for node in nodes for line in printed_lines(node, comments)]
+    sheet = answer_sheet(module, source)
+    if sheet is not None:
+        first, text = sheet
+        printed += [(first + index, line) for index, line in enumerate(text.split("\n"))]
     return sorted({(number, len(line)) for number, line in printed if len(line) > CONTRACT_WIDTH})
 
 
@@ -264,7 +282,7 @@ def stub_contract(path: Path) -> dict:
     except SyntaxError as error:
         raise BuildError(f"{path} does not parse: {error}") from error
     comments = trailing_comments(source)
-    overlong = overlong_lines(module, comments)
+    overlong = overlong_lines(module, comments, source)
     if overlong:
         lines = "".join(f"\n  {path}:{number}: {width} characters" for number, width in overlong)
         raise BuildError(f"contract lines wider than the {CONTRACT_WIDTH} characters the handout prints without "
@@ -294,6 +312,9 @@ def stub_contract(path: Path) -> dict:
             items.append(
                 {"name": node.name, "kind": "class", "signature": signature, "doc": docstring(node), "methods": methods}
             )
+    sheet = answer_sheet(module, source)
+    if sheet is not None:
+        items.append({"name": "ANSWERS", "kind": "answers", "signature": sheet[1], "doc": "", "methods": []})
     return {"module_doc": docstring(module), "items": items}
 
 
