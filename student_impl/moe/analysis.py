@@ -2,8 +2,8 @@
 
 The grader reads this file without running it. Write each answer out as a number (an int or a float); an
 expression such as 2 * 64 is refused. Leave a question you skip as None: it shows "not answered" and costs only
-its own points. The handout's "Analysis questions" of this family state each question in full, with its unit and
-how close an answer must be.
+its own points. This problem's section of the handout states each question in full, with its unit and how close
+an answer must be.
 """
 
 ANSWERS = {
