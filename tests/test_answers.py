@@ -4,9 +4,13 @@ kind of bad sheet or answer is told."""
 from __future__ import annotations
 
 import pytest
+import torch
 
 from grader.checks import answers, stubs
 from grader.checks.outcomes import NotImplementedByStudent, WrongAnswer
+from grader.kernels.speed_cases import SOFTMAX_BESIDE_COPY
+from grader.speed.grading import check_sample
+from grader.speed.timing import sample
 
 
 def sheet_file(tmp_path, body: str):
@@ -82,3 +86,15 @@ def test_an_untouched_sheet_is_a_stub_and_one_answer_makes_it_started(tmp_path):
     assert stubs.all_stubs(path)
     path.write_text(path.read_text().replace('"a": None', '"a": 3'))
     assert not stubs.all_stubs(path)
+
+
+def test_the_copy_fraction_checks_each_timed_softmax_against_a_true_one():
+    """The measured softmax runs beside a clone, whose output is not a softmax: the timed outputs are checked against
+    the spec's oracle instead, which a right softmax passes and a wrong one fails."""
+    args = SOFTMAX_BESIDE_COPY.inputs((8, 300), "float32", seed=3, device=torch.device("cpu"))
+    right = torch.softmax(args[0], dim=-1)
+    for seed in range(3):
+        expected = SOFTMAX_BESIDE_COPY.expected_sample(args, SOFTMAX_BESIDE_COPY.baseline(*args), seed)
+        check_sample(sample(right, seed), expected, torch.float32, "softmax")
+        with pytest.raises(WrongAnswer, match="differs from the expected one"):
+            check_sample(sample(right * 1.001, seed), expected, torch.float32, "softmax")
