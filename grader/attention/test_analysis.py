@@ -2,21 +2,19 @@
 
 Derived answers are compared with the grader's derivation, written out below from each question's numbers. The
 sliding window's speedup is measured: on a GPU the grader times the student's own sliding_window_attention beside
-torch's causal flash attention as the problem's speed test does, and the answer must be within MEASURED_REL_TOL of
-that; without a GPU it can only check that the speedup is consistent with the work saved, and says so.
+torch's causal flash attention as the problem's speed test does, and the answer must be within MEASURED_REL_TOL
+(grader.checks.answers) of that; without a GPU it can only check that the speedup is consistent with the work saved,
+and says so.
 """
 
 from __future__ import annotations
 
-import torch
-
 from assignment.registry import BY_ID
 from grader.attention.speed_cases import SPEEDS
-from grader.checks.answers import check_derived, check_measured, number
+from grader.checks.answers import check_baseline_over_kernel, check_derived, number
 from grader.checks.marks import timed_on_gpu
 from grader.checks.outcomes import WrongAnswer
 
-MEASURED_REL_TOL = 0.25
 # The speed test's second case: (batch, heads, seq, head_dim, window) in bfloat16.
 WINDOW_CASE = (BY_ID["attention.sliding_window"].speed.shapes[1], "bfloat16")
 # A kernel that skips work cannot gain much more than the work it skips.
@@ -50,12 +48,9 @@ def test_sliding_window_speedup(sheet, student_of, partial_credit):
         raise WrongAnswer(f"sliding_window_speedup: {speedup:g} is not a speedup this window allows (0 to "
                           f"{most:.2f}: {MOST_OVER_WORK_RATIO} x the ratio of the work)")
     window_attention = student_of("attention.sliding_window")  # a measurement needs the kernel written
-    if not torch.cuda.is_available():
-        partial_credit(1.0, "consistency only: no GPU here to measure your kernel on")
-        return
-    medians = SPEEDS["attention.sliding_window"].against_baseline(window_attention, WINDOW_CASE)
-    check_measured("sliding_window_speedup", speedup, medians["baseline"] / medians["student"], MEASURED_REL_TOL,
-                   f"torch's causal flash over your sliding window, forward and backward, {WINDOW_CASE}")
+    check_baseline_over_kernel("sliding_window_speedup", speedup, SPEEDS["attention.sliding_window"], window_attention,
+                               WINDOW_CASE, f"torch's causal flash over your sliding window, forward and backward, "
+                               f"{WINDOW_CASE}", partial_credit, "kernel")
 
 
 def test_dsa_attended_fraction(sheet):

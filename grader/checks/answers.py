@@ -16,11 +16,15 @@ import ast
 import math
 from pathlib import Path
 
+import torch
+
 from grader.checks.outcomes import NotImplementedByStudent, WrongAnswer
 
 SHEET_VARIABLE = "ANSWERS"
 # A sheet is a few dozen short lines; a larger file is refused before it is parsed.
 MAX_SHEET_BYTES = 64 * 1024
+# How far a measured answer may lie from the grader's own measurement on the same GPU.
+MEASURED_REL_TOL = 0.25
 
 
 class SheetError(ValueError):
@@ -109,3 +113,15 @@ def check_measured(key: str, value: float, measured: float, rel_tol: float, how:
     if not abs(value - measured) <= rel_tol * abs(measured):
         raise WrongAnswer(f"{key}: you wrote {value:.3g}, the grader measured {measured:.3g} ({how}); the answer must "
                           f"be within {rel_tol:.0%} of the grader's measurement")
+
+
+def check_baseline_over_kernel(key: str, value: float, spec, kernel, case: tuple, how: str, partial_credit,
+                               what: str) -> None:
+    """A measured answer that is the baseline's time over the student's `kernel` (a worker of its problem), as
+    `spec` times them on `case`: on a GPU, compared with the grader's own timing within MEASURED_REL_TOL; without
+    one, the consistency checks made before are all there can be, and the score table notes it."""
+    if not torch.cuda.is_available():
+        partial_credit(1.0, f"consistency only: no GPU here to measure your {what} on")
+        return
+    medians = spec.against_baseline(kernel, case)
+    check_measured(key, value, medians["baseline"] / medians["student"], MEASURED_REL_TOL, how)

@@ -1,21 +1,18 @@
 """Grading kernels.analysis: the Triton kernels family's analysis questions, read from the student's answer sheet.
 
-Derived answers are compared with the grader's derivation, written out below from each question's numbers. The
-copy-bandwidth fraction is measured: on a GPU the grader times the student's own softmax beside a copy, exactly as
-the question says to, and the answer must be within MEASURED_REL_TOL of that; without a GPU it can only check that
-it is consistent (a fraction of a copy), and says so.
+Derived answers are compared with the grader's derivation, written out below from each question's numbers. The copy-
+bandwidth fraction is measured: on a GPU the grader times the student's own softmax beside a copy, exactly as the
+question says to, and the answer must be within MEASURED_REL_TOL (grader.checks.answers) of that; without a GPU it
+can only check that it is consistent (a fraction of a copy), and says so.
 """
 
 from __future__ import annotations
 
-import torch
-
-from grader.checks.answers import check_choice, check_derived, check_measured, number
+from grader.checks.answers import check_baseline_over_kernel, check_choice, check_derived, number
 from grader.checks.marks import timed_on_gpu
 from grader.checks.outcomes import WrongAnswer
 from grader.kernels.speed_cases import SOFTMAX_BESIDE_COPY
 
-MEASURED_REL_TOL = 0.25
 # The softmax input of the fraction, (shape, dtype) as the speed tests' cases.
 SOFTMAX_CASE = ((8192, 4096), "float32")
 # A softmax cannot move its bytes much faster than a copy of them; timing noise may put it a little above.
@@ -28,12 +25,9 @@ def test_softmax_copy_fraction(sheet, student_of, partial_credit):
     if not 0 < fraction <= MOST_COPY_FRACTION:
         raise WrongAnswer(f"softmax_copy_fraction: {fraction:g} is not a fraction of copy bandwidth (0 to about 1)")
     softmax = student_of("kernels.softmax")  # a measurement needs the kernel written, on any machine
-    if not torch.cuda.is_available():
-        partial_credit(1.0, "consistency only: no GPU here to measure your softmax on")
-        return
-    medians = SOFTMAX_BESIDE_COPY.against_baseline(softmax, SOFTMAX_CASE)
-    check_measured("softmax_copy_fraction", fraction, medians["baseline"] / medians["student"], MEASURED_REL_TOL,
-                   f"x.clone() over your softmax, {SOFTMAX_CASE[1]} {SOFTMAX_CASE[0]}, timed as the speed tests time")
+    check_baseline_over_kernel("softmax_copy_fraction", fraction, SOFTMAX_BESIDE_COPY, softmax, SOFTMAX_CASE,
+                               f"x.clone() over your softmax, {SOFTMAX_CASE[1]} {SOFTMAX_CASE[0]}, timed as the speed "
+                               "tests time", partial_credit, "softmax")
 
 
 def test_softmax_small_reason(sheet):
