@@ -372,6 +372,8 @@ def problem_data(root: Path, problem) -> dict:
         "learns": problem.learns,
         "contract": contract,
         "deliverables": deliverables(contract),
+        # An analysis problem: the student answers the questions of an answer sheet rather than writing code.
+        "answer_sheet": any(item["kind"] == "answers" for item in contract["items"]),
     }
 
 
