@@ -179,8 +179,15 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
 # --- attention over the selected keys ----------------------------------------------------------------------------
 
 
+def _heads_block(heads: int) -> int:
+    """The query heads one program serves, forward and backward alike: all the heads up to 64, since every head of
+    the block reuses each gathered K and V row (and the backward adds each row's dK and dV once for the whole block);
+    at least 16, the smallest side tl.dot takes."""
+    return max(16, min(64, triton.next_power_of_2(heads)))
+
+
 def _forward_config(dtype: torch.dtype, heads: int, head_dim_block: int) -> dict:
-    heads_block = max(16, min(64, triton.next_power_of_2(heads)))
+    heads_block = _heads_block(heads)
     if _interpreted():
         return dict(BLOCK_H=heads_block, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
@@ -190,8 +197,7 @@ def _forward_config(dtype: torch.dtype, heads: int, head_dim_block: int) -> dict
 
 
 def _backward_config(dtype: torch.dtype, heads: int, head_dim_block: int) -> dict:
-    # A block of all heads: each gathered key row's dK and dV are added once for every head of the block.
-    heads_block = max(16, min(64, triton.next_power_of_2(heads)))
+    heads_block = _heads_block(heads)
     if _interpreted():
         return dict(BLOCK_H=heads_block, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
@@ -205,6 +211,21 @@ def _gather_rows(ptr, rows, valid, cols, row_stride, col_stride, head_dim):
     """[BLOCK_N, BLOCK_D]: the rows named by `rows` (zeros where not valid)."""
     return tl.load(ptr + rows[:, None] * row_stride + cols[None, :] * col_stride,
                    mask=valid[:, None] & (cols[None, :] < head_dim), other=0.0)
+
+
+@triton.jit
+def _gather_block(idx_base, stride_in, start, n_selected, k_base, v_base, cols, stride_kt, stride_kd,
+                  stride_vt, stride_vd, head_dim, BLOCK_N: tl.constexpr):
+    """The loop head of forward and backward: the query's index slots [start, start + BLOCK_N), which of them name a
+    key (slots past n_selected and -1 padding do not), and the K and V rows they name, [BLOCK_N, BLOCK_D] each.
+    Memory traffic: BLOCK_N indices, then one row of K and one of V per valid slot, read once for all the heads of
+    the program's block; padded slots load nothing."""
+    slots = start + tl.arange(0, BLOCK_N)
+    keys = tl.load(idx_base + slots * stride_in, mask=slots < n_selected, other=-1)
+    valid = keys >= 0
+    k = _gather_rows(k_base, keys, valid, cols, stride_kt, stride_kd, head_dim)
+    v = _gather_rows(v_base, keys, valid, cols, stride_vt, stride_vd, head_dim)
+    return keys, valid, k, v
 
 
 @triton.jit
@@ -233,11 +254,8 @@ def _forward_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, o_ptr, lse_ptr,
     row_sum = tl.zeros([BLOCK_H], dtype=tl.float32)
     acc = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for start in range(0, n_selected, BLOCK_N):
-        slots = start + tl.arange(0, BLOCK_N)
-        keys = tl.load(idx_base + slots * stride_in, mask=slots < n_selected, other=-1)
-        valid = keys >= 0
-        k = _gather_rows(k_base, keys, valid, cols, stride_kt, stride_kd, head_dim)
-        v = _gather_rows(v_base, keys, valid, cols, stride_vt, stride_vd, head_dim)
+        keys, valid, k, v = _gather_block(idx_base, stride_in, start, n_selected, k_base, v_base, cols, stride_kt,
+                                          stride_kd, stride_vt, stride_vd, head_dim, BLOCK_N)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         scores = tl.where(valid[None, :], scores, -float("inf"))
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
@@ -279,11 +297,8 @@ def _backward_kernel(q_ptr, k_ptr, v_ptr, idx_ptr, o_ptr, do_ptr, lse_ptr, dq_pt
     idx_base = idx_ptr + batch * stride_ib + query * stride_it
     dq = tl.zeros([BLOCK_H, BLOCK_D], dtype=tl.float32)
     for start in range(0, n_selected, BLOCK_N):
-        slots = start + tl.arange(0, BLOCK_N)
-        keys = tl.load(idx_base + slots * stride_in, mask=slots < n_selected, other=-1)
-        valid = keys >= 0
-        k = _gather_rows(k_base, keys, valid, cols, stride_kt, stride_kd, head_dim)
-        v = _gather_rows(v_base, keys, valid, cols, stride_vt, stride_vd, head_dim)
+        keys, valid, k, v = _gather_block(idx_base, stride_in, start, n_selected, k_base, v_base, cols, stride_kt,
+                                          stride_kd, stride_vt, stride_vd, head_dim, BLOCK_N)
         scores = tl.dot(q, tl.trans(k), input_precision=PRECISION) * scale_log2
         probs = tl.where(valid[None, :], tl.exp2(scores - lse_log2[:, None]), 0.0)
         dprobs = tl.dot(do, tl.trans(v), input_precision=PRECISION)
