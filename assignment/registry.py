@@ -533,11 +533,12 @@ PROBLEMS: tuple[Problem, ...] = (
         id="attention.analysis",
         title="Analysis questions: attention",
         hours=2,
-        learns="to price each attention variant in query-key pairs and cache bytes, and to measure how much of the "
-        "work a sliding window saves turns into speed",
+        learns="to price each attention variant in query-key pairs and cache bytes, to measure how much of the work "
+        "a sliding window saves turns into speed, and to find the length where linear attention's cheaper work wins",
         points={
             "window_work_ratio": 2,
             "sliding_window_speedup": 3,
+            "linear_attention_crossover_seq": 3,
             "dsa_attended_fraction": 2,
             "mla_cache_ratio": 2,
         },
@@ -545,6 +546,7 @@ PROBLEMS: tuple[Problem, ...] = (
         evidence={
             "window_work_ratio": SHEET_EVIDENCE,
             "sliding_window_speedup": MEASURED_EVIDENCE,
+            "linear_attention_crossover_seq": MEASURED_EVIDENCE,
             "dsa_attended_fraction": SHEET_EVIDENCE,
             "mla_cache_ratio": SHEET_EVIDENCE,
         },

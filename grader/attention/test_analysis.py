@@ -1,13 +1,19 @@
 """Grading attention.analysis: the attention family's analysis questions, read from the student's answer sheet.
 
-Derived answers are compared with the grader's derivation, written out below from each question's numbers. The
-sliding window's speedup is measured: on a GPU the grader times the student's own sliding_window_attention beside
-torch's causal flash attention as the problem's speed test does, and the answer must be within MEASURED_REL_TOL
-(grader.checks.answers) of that; without a GPU it can only check that the speedup is consistent with the work saved,
-and says so.
+Derived answers are compared with the grader's derivation, written out below from each question's numbers. Two
+answers are measured. The sliding window's speedup: on a GPU the grader times the student's own
+sliding_window_attention beside torch's causal flash attention as the problem's speed test does, and the answer must
+be within MEASURED_REL_TOL (grader.checks.answers) of that; without a GPU it can only check that the speedup is
+consistent with the work saved. Linear attention's crossover length: on a GPU the grader runs the search the question
+describes on the student's own linear_attention_chunked and accepts an answer within one power of two of what it
+finds; without a GPU it can only check that the answer is one of the lengths searched. Either says so.
 """
 
 from __future__ import annotations
+
+import math
+
+import torch
 
 from assignment.registry import BY_ID
 from grader.attention.speed_cases import SPEEDS
@@ -19,6 +25,10 @@ from grader.checks.outcomes import WrongAnswer
 WINDOW_CASE = (BY_ID["attention.sliding_window"].speed.shapes[1], "bfloat16")
 # A kernel that skips work cannot gain much more than the work it skips.
 MOST_OVER_WORK_RATIO = 1.25
+# The crossover search: linear attention against torch's causal flash attention, forward and backward, bfloat16, at
+# batch 4, 16 heads, head size 128 (the speed test's first shape) and these lengths; BEYOND_SEARCH if at none of them.
+CROSSOVER_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
+BEYOND_SEARCH = 32768
 
 
 def causal_pairs(seq: int) -> int:
@@ -51,6 +61,35 @@ def test_sliding_window_speedup(sheet, student_of, partial_credit):
     check_baseline_over_kernel("sliding_window_speedup", speedup, SPEEDS["attention.sliding_window"], window_attention,
                                WINDOW_CASE, f"torch's causal flash over your sliding window, forward and backward, "
                                f"{WINDOW_CASE}", partial_credit, "kernel")
+
+
+def crossover_seq(linear_attention) -> int:
+    """The first length of CROSSOVER_SEQS at which the student's chunked linear attention beats flash attention."""
+    spec = SPEEDS["attention.linear_attention"]
+    for seq in CROSSOVER_SEQS:
+        medians = spec.against_baseline(linear_attention, ((4, 16, seq, 128), "bfloat16"))
+        if medians["student"] < medians["baseline"]:
+            return seq
+    return BEYOND_SEARCH
+
+
+@timed_on_gpu
+def test_linear_attention_crossover_seq(sheet, student_of, partial_credit):
+    seq = number(sheet, "linear_attention_crossover_seq")
+    searched = (*CROSSOVER_SEQS, BEYOND_SEARCH)
+    if seq not in searched:
+        raise WrongAnswer(f"linear_attention_crossover_seq: {seq:g} is not one of the lengths the question names "
+                          f"({', '.join(map(str, searched))})")
+    linear_attention = student_of("attention.linear_attention")  # a measurement needs the kernel written
+    if not torch.cuda.is_available():
+        partial_credit(1.0, "consistency only: no GPU here to run the crossover search on")
+        return
+    found = crossover_seq(linear_attention)
+    if abs(math.log2(seq / found)) > 1:
+        raise WrongAnswer(f"linear_attention_crossover_seq: you wrote {seq:g}, the grader's search found {found} "
+                          "(your linear_attention_chunked against torch's causal flash, forward and backward, "
+                          "bfloat16, batch 4, 16 heads, head size 128); the answer must be within one power of two "
+                          "of the grader's")
 
 
 def test_dsa_attended_fraction(sheet):

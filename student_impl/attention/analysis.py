@@ -11,6 +11,8 @@ ANSWERS = {
     "window_work_ratio": None,
     # torch's causal flash time over your sliding window's, forward and backward, the speed test's second shape.
     "sliding_window_speedup": None,
+    # First T of 512, 1024, ..., 16384 where your chunked linear attention beats causal flash (32768: none).
+    "linear_attention_crossover_seq": None,
     # Fraction of causal attention's query-key pairs that sparse attention scores: T 32768, top-k 2048.
     "dsa_attended_fraction": None,
     # Multi-head attention's KV cache per token over MLA's: 128 heads of 128, latent 512, RoPE key 64.
