@@ -5,8 +5,8 @@ answers are measured. The sliding window's speedup: on a GPU the grader times th
 sliding_window_attention beside torch's causal flash attention as the problem's speed test does, and the answer must
 be within MEASURED_REL_TOL (grader.checks.answers) of that; without a GPU it can only check that the speedup is
 consistent with the work saved. Linear attention's crossover length: on a GPU the grader runs the search the question
-describes on the student's own linear_attention_chunked and accepts an answer within one power of two of what it
-finds; without a GPU it can only check that the answer is one of the lengths searched. Either says so.
+describes on the student's own linear_attention_chunked and accepts an answer from two powers of two below what it
+finds to one above; without a GPU it can only check that the answer is one of the lengths searched. Either says so.
 """
 
 from __future__ import annotations
@@ -29,6 +29,10 @@ MOST_OVER_WORK_RATIO = 1.25
 # batch 4, 16 heads, head size 128 (the speed test's first shape) and these lengths; BEYOND_SEARCH if at none of them.
 CROSSOVER_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
 BEYOND_SEARCH = 32768
+# Accepted answers, in powers of two from the grader's crossover: noise near it moves it one step either way, and the
+# worker the grader times in adds host time to each call (on the H200 the reference's crossover is 2048 timed in its
+# own process, 4096 in the worker), which can only move the grader's crossover up.
+CROSSOVER_STEPS_BELOW, CROSSOVER_STEPS_ABOVE = 2, 1
 
 
 def causal_pairs(seq: int) -> int:
@@ -85,11 +89,11 @@ def test_linear_attention_crossover_seq(sheet, student_of, partial_credit):
         partial_credit(1.0, "consistency only: no GPU here to run the crossover search on")
         return
     found = crossover_seq(linear_attention)
-    if abs(math.log2(seq / found)) > 1:
+    if not -CROSSOVER_STEPS_BELOW <= math.log2(seq / found) <= CROSSOVER_STEPS_ABOVE:
         raise WrongAnswer(f"linear_attention_crossover_seq: you wrote {seq:g}, the grader's search found {found} "
                           "(your linear_attention_chunked against torch's causal flash, forward and backward, "
-                          "bfloat16, batch 4, 16 heads, head size 128); the answer must be within one power of two "
-                          "of the grader's")
+                          f"bfloat16, batch 4, 16 heads, head size 128); the answer must lie from {found >> 2} to "
+                          f"{found * 2}")
 
 
 def test_dsa_attended_fraction(sheet):
