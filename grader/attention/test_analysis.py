@@ -13,11 +13,9 @@ from __future__ import annotations
 
 import math
 
-import torch
-
 from assignment.registry import BY_ID
 from grader.attention.speed_cases import SPEEDS
-from grader.checks.answers import check_baseline_over_kernel, check_derived, number
+from grader.checks.answers import check_baseline_over_kernel, check_derived, measurable_here, number
 from grader.checks.marks import timed_on_gpu
 from grader.checks.outcomes import WrongAnswer
 
@@ -85,8 +83,7 @@ def test_linear_attention_crossover_seq(sheet, student_of, partial_credit):
         raise WrongAnswer(f"linear_attention_crossover_seq: {seq:g} is not one of the lengths the question names "
                           f"({', '.join(map(str, searched))})")
     linear_attention = student_of("attention.linear_attention")  # a measurement needs the kernel written
-    if not torch.cuda.is_available():
-        partial_credit(1.0, "consistency only: no GPU here to run the crossover search on")
+    if not measurable_here(partial_credit, "run the crossover search on"):
         return
     found = crossover_seq(linear_attention)
     if not -CROSSOVER_STEPS_BELOW <= math.log2(seq / found) <= CROSSOVER_STEPS_ABOVE:

@@ -115,13 +115,21 @@ def check_measured(key: str, value: float, measured: float, rel_tol: float, how:
                           f"be within {rel_tol:.0%} of the grader's measurement")
 
 
+def measurable_here(partial_credit, task: str) -> bool:
+    """Whether there is a GPU here for a measured answer's measurement (`task`, what it would do). Without one, the
+    consistency checks made before are all there can be, and the score table notes it."""
+    if torch.cuda.is_available():
+        return True
+    partial_credit(1.0, f"consistency only: no GPU here to {task}")
+    return False
+
+
 def check_baseline_over_kernel(key: str, value: float, spec, kernel, case: tuple, how: str, partial_credit,
                                what: str) -> None:
     """A measured answer that is the baseline's time over the student's `kernel` (a worker of its problem), as
     `spec` times them on `case`: on a GPU, compared with the grader's own timing within MEASURED_REL_TOL; without
-    one, the consistency checks made before are all there can be, and the score table notes it."""
-    if not torch.cuda.is_available():
-        partial_credit(1.0, f"consistency only: no GPU here to measure your {what} on")
+    one, only noted (measurable_here)."""
+    if not measurable_here(partial_credit, f"measure your {what} on"):
         return
     medians = spec.against_baseline(kernel, case)
     check_measured(key, value, medians["baseline"] / medians["student"], MEASURED_REL_TOL, how)
