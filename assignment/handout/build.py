@@ -27,9 +27,12 @@ import tokenize
 from pathlib import Path
 from types import ModuleType
 
+from grader.checks.sheet_syntax import sheet_assignment
+
 HANDOUT_DIR = Path("assignment") / "handout"
 TEMPLATE = HANDOUT_DIR / "handout.typ"
 REGISTRY = Path("assignment") / "registry.py"
+SHEET_SYNTAX = Path("grader") / "checks" / "sheet_syntax.py"  # which assignment of an answer sheet is printed
 STUBS_DIR = Path("student_impl")
 OUTPUT = Path("handout.pdf")
 BUILD_COMMAND = "python -m assignment.handout.build"
@@ -90,7 +93,8 @@ def stub_path(problem) -> Path:
 
 def source_files(root: Path, problems) -> list[Path]:
     """Every file that feeds the PDF, relative to `root` and sorted: the handout directory (without caches and
-    hidden files such as editor swap files), the registry, and the stub module of every registered problem."""
+    hidden files such as editor swap files), the registry, the stub module of every registered problem, and the
+    grader's reading of an answer sheet."""
     handout_files = [
         path.relative_to(root)
         for path in (root / HANDOUT_DIR).rglob("*")
@@ -101,7 +105,7 @@ def source_files(root: Path, problems) -> list[Path]:
     for stub in stubs:
         if not (root / stub).is_file():
             raise BuildError(f"{stub} is missing: the handout shows the contract of every registered problem")
-    return sorted(set(handout_files + stubs + [REGISTRY]), key=lambda path: path.as_posix())
+    return sorted(set(handout_files + stubs + [REGISTRY, SHEET_SYNTAX]), key=lambda path: path.as_posix())
 
 
 def source_sha256(root: Path, files: list[Path]) -> str:
@@ -249,15 +253,10 @@ def printed_lines(node, comments: dict[int, str]) -> list[tuple[int, str]]:
 
 def answer_sheet(module: ast.Module, source: str) -> tuple[int, str] | None:
     """An analysis problem's `ANSWERS = {...}` (grader.checks.answers) as the source writes it, with the comment
-    above each question, and its first line number; None for a module that is not an answer sheet. The last such
-    assignment, as Python and the grader read it."""
-    found = None
-    for node in module.body:
-        if isinstance(node, ast.Assign) and any(
-            isinstance(target, ast.Name) and target.id == "ANSWERS" for target in node.targets
-        ):
-            found = node.lineno, ast.get_source_segment(source, node, padded=True)
-    return found
+    above each question, and its first line number; None for a module that is not an answer sheet. The assignment
+    the grader reads (grader.checks.sheet_syntax)."""
+    node = sheet_assignment(module)
+    return None if node is None else (node.lineno, ast.get_source_segment(source, node, padded=True))
 
 
 def overlong_lines(module: ast.Module, comments: dict[int, str], source: str) -> list[tuple[int, int]]:

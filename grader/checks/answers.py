@@ -19,8 +19,8 @@ from pathlib import Path
 import torch
 
 from grader.checks.outcomes import NotImplementedByStudent, WrongAnswer
+from grader.checks.sheet_syntax import SHEET_VARIABLE, sheet_assignment
 
-SHEET_VARIABLE = "ANSWERS"
 # A sheet is a few dozen short lines; a larger file is refused before it is parsed.
 MAX_SHEET_BYTES = 64 * 1024
 # How far a measured answer may lie from the grader's own measurement on the same GPU.
@@ -33,20 +33,11 @@ class SheetError(ValueError):
 
 def literal_answers(source: str) -> dict[str, object]:
     """The dict literal the source assigns to ANSWERS at top level (the last such assignment)."""
-    found = None
-    for node in ast.parse(source).body:
-        if isinstance(node, ast.Assign):
-            targets = node.targets
-        elif isinstance(node, ast.AnnAssign):
-            targets = [node.target]
-        else:
-            continue
-        if any(isinstance(target, ast.Name) and target.id == SHEET_VARIABLE for target in targets):
-            found = node.value
+    found = sheet_assignment(ast.parse(source))
     if found is None:
         raise SheetError(f"no top-level `{SHEET_VARIABLE} = {{...}}` assignment")
     try:
-        answers = ast.literal_eval(found)
+        answers = ast.literal_eval(found.value)
     except ValueError:
         raise SheetError(f"{SHEET_VARIABLE} must be a dict written out as a literal (numbers, strings, None): the "
                          "grader reads the file without running it, so an expression is not evaluated") from None
