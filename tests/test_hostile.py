@@ -124,7 +124,8 @@ def test_one_student_cannot_touch_another(tmp_path):
     "variant, fragments",
     [
         ("softmax_in_thread", ("called aten._softmax",)),
-        ("patches_recorder", ("modified the grader's recorder", "ForbiddenOpRecorder.__torch_dispatch__")),
+        ("patches_recorder", ("modified the grader's code", "ForbiddenOpRecorder.__torch_dispatch__")),
+        ("patches_timer", ("modified the grader's code", "Timer.time_ms")),
         ("leaves_thread", ("left thread", "running after it returned")),
     ],
 )

@@ -205,7 +205,7 @@ class Sandbox:
     def enforce_rules(self, reply: dict, what: str) -> None:
         if reply.get("tampered"):
             changed = ", ".join(reply["tampered"][:4])
-            raise RuleViolation(f"{what} modified the grader's recorder in the worker ({changed})")
+            raise RuleViolation(f"{what} modified the grader's code in the worker ({changed})")
         if reply.get("left_running"):
             raise RuleViolation(
                 f"{what} left {', '.join(reply['left_running'])} running after it returned: a call must finish its work"

@@ -79,7 +79,8 @@ class Worker:
         guards.record_every_thread(impl.path)
         self.tampering = guards.Tampering(
             guards, guards.ForbiddenOpRecorder, guards._ForwardToActiveRecorders, threading.Thread, Worker,
-            sys.modules[__name__], *((triton_hooks_module(), type(self.launches)) if self.launches is not None else ()),
+            sys.modules[__name__], timing, timing.Timer,
+            *((triton_hooks_module(), type(self.launches)) if self.launches is not None else ()),
         )
         self.impl_dir = impl.path
         self.timer = None
@@ -161,9 +162,11 @@ class Worker:
             self.timer = timing.Timer(torch.device("cuda"))
         if not request["check_rules"]:
             # Timed calls run bare: the operator recorder's Python overhead would delay the launch and count as
-            # kernel time. The rules are checked on the untimed warm-up calls (and in every correctness test).
+            # kernel time. The rules are checked on the untimed warm-up calls (and in every correctness test); only
+            # whether the timer or the recorders were replaced is checked here too, after the timing.
             milliseconds, self.last_output = self.timer.time_ms(function, args)
-            return {"status": "ok", "value": milliseconds, "launches": ["(not recorded)"], "forbidden": []}
+            return {"status": "ok", "value": milliseconds, "launches": ["(not recorded)"], "forbidden": [],
+                    "tampered": self.tampering.changed()}
         with self.watched() as observed:
             milliseconds, self.last_output = self.timer.time_ms(function, args)
         return {"status": "ok", "value": milliseconds, **observed}
