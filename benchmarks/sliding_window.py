@@ -2,20 +2,27 @@
 reference over the whole sequence and torch's flex_attention with a sliding-window block mask, on one GPU, and its
 time per token as the sequence grows at a fixed window.
 
-    python benchmarks/sliding_window.py
+    python benchmarks/sliding_window.py [--backward-configs]
 
 writes benchmarks/results/sliding_window.md. Shapes: batch 4, 16 heads, head size 128, window 1024, bfloat16, T =
 8192 and 32768. The causal reference does about T^2 / 2 score entries per (batch, head), the window about T w: the
 ideal speed-up is T / (2 w), and the target is 0.7 of that. flex_attention is compiled once per shape, its block
 mask built outside the timed call; it is a benchmark-only comparison, which the grader never imports. Times are
 medians of CUDA-event timings (triton.testing.do_bench); the backward is torch.autograd.grad to q, k and v.
+
+--backward-configs times forward and backward at T = 32768 under each backward block configuration of
+BACKWARD_CONFIGS instead (the sweep behind the reference's `_backward_config`; run it on a new GPU model before
+choosing its configs) and writes benchmarks/results/sliding_window_backward_configs.md.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import platform
 import sys
 from pathlib import Path
+from unittest import mock
 
 import torch
 import triton
@@ -24,6 +31,7 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from reference.attention import sliding_window as window_module
 from reference.attention.sliding_window import sliding_window_attention
 from reference.kernels.flash_attention_triton import flash_attention
 
@@ -33,6 +41,12 @@ SCALING_LENGTHS = (2048, 4096, 8192, 16384, 32768)
 TARGET_FRACTION = 0.7  # of the ideal speed-up T / (2 w) over causal attention
 DTYPE = torch.bfloat16
 RESULTS = ROOT / "benchmarks" / "results" / "sliding_window.md"
+# The backward's programs: BLOCK_MAJOR rows of their own side (keys for dK and dV, queries for dQ) against blocks of
+# BLOCK_MINOR rows of the other side, as reference.attention.sliding_window._backward_config names them.
+BACKWARD_CONFIGS = [dict(BLOCK_MAJOR=major, BLOCK_MINOR=minor, num_warps=warps, num_stages=stages)
+                    for (major, minor), warps, stages in itertools.product(
+                        ((128, 64), (128, 32), (128, 128), (64, 64), (64, 32)), (4, 8), (2, 3, 4))]
+BACKWARD_RESULTS = ROOT / "benchmarks" / "results" / "sliding_window_backward_configs.md"
 
 
 def inputs(seq: int, seed: int = 0) -> list[torch.Tensor]:
@@ -91,10 +105,56 @@ def scaling_row() -> str:
     return row
 
 
+def backward_config_rows(seq: int) -> list[str]:
+    """Forward and backward at T = seq under each config of BACKWARD_CONFIGS (the forward's own config unchanged),
+    fastest first; a config the GPU cannot run (too much shared memory) is left out."""
+    tensors = inputs(seq)
+    reference_config = window_module._backward_config(DTYPE, HEAD_DIM)
+    timed = []
+    for config in BACKWARD_CONFIGS:
+        chosen = lambda dtype, head_dim_block, config=config: dict(config)  # _backward pops the block sizes
+        with mock.patch.object(window_module, "_backward_config", chosen):
+            try:
+                ms = milliseconds(lambda q, k, v: sliding_window_attention(q, k, v, WINDOW), tensors, backward=True)
+            except triton.runtime.errors.OutOfResources as error:
+                print(f"{config}: {error}", flush=True)
+                continue
+        timed.append((ms, config))
+        print(f"{config}: {ms:.3f} ms", flush=True)
+    current = next(ms for ms, config in timed if config == reference_config)
+    return [f"| {c['BLOCK_MAJOR']} | {c['BLOCK_MINOR']} | {c['num_warps']} | {c['num_stages']} | {ms:.2f} | "
+            f"{ms / current:.3f}{' (the reference)' if c == reference_config else ''} |" for ms, c in sorted(
+                timed, key=lambda pair: pair[0])]
+
+
+def write_backward_configs(machine: str) -> None:
+    seq = LENGTHS[-1]
+    rows = backward_config_rows(seq)
+    BACKWARD_RESULTS.write_text("\n".join([
+        "# Sliding-window attention: backward block configurations",
+        "",
+        f"Measured on {machine}. Forward and backward, batch {BATCH}, {HEADS} heads, T {seq}, head size {HEAD_DIM}, "
+        f"window {WINDOW}, {str(DTYPE).removeprefix('torch.')}; milliseconds, fastest first. Written by "
+        "`python benchmarks/sliding_window.py --backward-configs`.",
+        "",
+        "| BLOCK_MAJOR | BLOCK_MINOR | warps | stages | ms | against the reference's config |",
+        "|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backward-configs", action="store_true",
+                        help="time the backward's block configurations instead (see the module's docstring)")
+    args = parser.parse_args()
     machine = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
                f"Python {platform.python_version()}")
     print(machine, flush=True)
+    if args.backward_configs:
+        write_backward_configs(machine)
+        return
     rows = comparison_rows()
     scaling = scaling_row()
     RESULTS.write_text("\n".join([

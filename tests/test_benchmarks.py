@@ -7,6 +7,8 @@ import importlib.util
 import subprocess
 import sys
 
+import pytest
+
 from assignment.registry import BY_ID
 from grader.sandbox import isolation
 from grader.session.packages import resolve
@@ -20,6 +22,11 @@ def benchmark(name: str):
     sys.modules[spec.name] = module  # its dataclasses look their module up
     spec.loader.exec_module(module)
     return module
+
+
+@pytest.mark.parametrize("name", sorted(path.stem for path in (ROOT / "benchmarks").glob("*.py")))
+def test_every_benchmark_imports_what_it_uses(name):
+    benchmark(name)
 
 
 def test_isolation_overhead_grades_the_problems_it_names():
