@@ -22,7 +22,6 @@ import itertools
 import platform
 import sys
 from pathlib import Path
-from unittest import mock
 
 import torch
 import triton
@@ -31,6 +30,7 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import config_sweep
 from reference.attention import sliding_window as window_module
 from reference.attention.sliding_window import sliding_window_attention
 from reference.kernels.flash_attention_triton import flash_attention
@@ -105,31 +105,11 @@ def scaling_row() -> str:
     return row
 
 
-def backward_config_rows(seq: int) -> list[str]:
-    """Forward and backward at T = seq under each config of BACKWARD_CONFIGS (the forward's own config unchanged),
-    fastest first; a config the GPU cannot run (too much shared memory) is left out."""
-    tensors = inputs(seq)
-    reference_config = window_module._backward_config(DTYPE, HEAD_DIM)
-    timed = []
-    for config in BACKWARD_CONFIGS:
-        chosen = lambda dtype, head_dim_block, config=config: dict(config)  # _backward pops the block sizes
-        with mock.patch.object(window_module, "_backward_config", chosen):
-            try:
-                ms = milliseconds(lambda q, k, v: sliding_window_attention(q, k, v, WINDOW), tensors, backward=True)
-            except triton.runtime.errors.OutOfResources as error:
-                print(f"{config}: {error}", flush=True)
-                continue
-        timed.append((ms, config))
-        print(f"{config}: {ms:.3f} ms", flush=True)
-    current = next(ms for ms, config in timed if config == reference_config)
-    return [f"| {c['BLOCK_MAJOR']} | {c['BLOCK_MINOR']} | {c['num_warps']} | {c['num_stages']} | {ms:.2f} | "
-            f"{ms / current:.3f}{' (the reference)' if c == reference_config else ''} |" for ms, c in sorted(
-                timed, key=lambda pair: pair[0])]
-
-
 def write_backward_configs(machine: str) -> None:
     seq = LENGTHS[-1]
-    rows = backward_config_rows(seq)
+    tensors = inputs(seq)
+    timed = config_sweep.sweep(window_module, "_backward_config", BACKWARD_CONFIGS, lambda: milliseconds(
+        lambda q, k, v: sliding_window_attention(q, k, v, WINDOW), tensors, backward=True))
     BACKWARD_RESULTS.write_text("\n".join([
         "# Sliding-window attention: backward block configurations",
         "",
@@ -137,9 +117,7 @@ def write_backward_configs(machine: str) -> None:
         f"window {WINDOW}, {str(DTYPE).removeprefix('torch.')}; milliseconds, fastest first. Written by "
         "`python benchmarks/sliding_window.py --backward-configs`.",
         "",
-        "| BLOCK_MAJOR | BLOCK_MINOR | warps | stages | ms | against the reference's config |",
-        "|---|---|---|---|---|---|",
-        *rows,
+        *config_sweep.table(timed, window_module._backward_config(DTYPE, HEAD_DIM)),
         "",
     ]))
 

@@ -1,7 +1,7 @@
 """The DeepSeek sparse attention reference on one GPU: attention over each query's top-k keys (forward, and forward
 with backward) against dense causal attention of the same shape, with the indexer and the selection timed apart.
 
-    python benchmarks/sparse_dsa.py
+    python benchmarks/sparse_dsa.py [--backward-configs]
 
 writes benchmarks/results/sparse_dsa.md. Shapes: batch 1, T = 8192 and 32768, topk = 2048, head size 128,
 bfloat16, 16, 64 and 128 query heads sharing one key and one value per token (the MQA form DeepSeek runs it in). Dense
@@ -15,10 +15,16 @@ q, k and v.
 The backward adds every selected key's dK and dV rows with float32 atomics: 2 topk d adds per query and block of
 heads, whatever the number of heads, against dense attention's work that grows with the heads. So the speed-up of
 forward and backward grows with the heads and the length, and stays below the forward's.
+
+--backward-configs times forward and backward at 64 heads, T = 32768 under each backward configuration of
+BACKWARD_CONFIGS instead (the sweep behind the reference's `_backward_config`) and writes
+benchmarks/results/sparse_dsa_backward_configs.md.
 """
 
 from __future__ import annotations
 
+import argparse
+import itertools
 import platform
 import sys
 from pathlib import Path
@@ -30,7 +36,9 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks import config_sweep
 from grader.attention.dsa_cases import causal_topk
+from reference.attention import sparse_dsa as dsa_module
 from reference.attention.sparse_dsa import indexer_scores, select_topk, sparse_attention
 from reference.kernels.flash_attention_triton import flash_attention
 
@@ -41,6 +49,11 @@ INDEX_HEADS, INDEX_DIM = 8, 64
 TARGET = 5.0  # dense causal time / sparse time at T = 32768
 DTYPE = torch.bfloat16
 RESULTS = ROOT / "benchmarks" / "results" / "sparse_dsa.md"
+# The backward's keys per loop step, warps and stages tried by --backward-configs, all heads in one program.
+BACKWARD_HEADS = 64
+BACKWARD_CONFIGS = [dict(BLOCK_H=BACKWARD_HEADS, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
+                    for block_n, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3))]
+BACKWARD_RESULTS = ROOT / "benchmarks" / "results" / "sparse_dsa_backward_configs.md"
 
 
 def normal(*size, generator) -> torch.Tensor:
@@ -64,12 +77,17 @@ def torch_flash(q, k, v):
         return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
 
 
-def attention_rows(seq: int, heads: int) -> list[tuple]:
-    """(pass, sparse ms, dense reference ms, torch flash ms) for forward and for forward with backward."""
+def sparse_inputs(seq: int, heads: int) -> tuple[torch.Tensor, ...]:
+    """q, k, v (requiring gradients) and each query's top-k of random scores."""
     generator = torch.Generator(device="cuda").manual_seed(seq + heads)
     q = normal(BATCH, seq, heads, HEAD_DIM, generator=generator).requires_grad_(True)
     k, v = (normal(BATCH, seq, HEAD_DIM, generator=generator).requires_grad_(True) for _ in range(2))
-    indices = causal_topk(torch.rand(BATCH, seq, seq, generator=generator, device="cuda"), TOPK)
+    return q, k, v, causal_topk(torch.rand(BATCH, seq, seq, generator=generator, device="cuda"), TOPK)
+
+
+def attention_rows(seq: int, heads: int) -> list[tuple]:
+    """(pass, sparse ms, dense reference ms, torch flash ms) for forward and for forward with backward."""
+    q, k, v, indices = sparse_inputs(seq, heads)
     # Dense attention on [batch, heads, seq, head_dim] with the shared keys and values repeated per head.
     dense = [q.detach().transpose(1, 2).contiguous().requires_grad_(True),
              *(t.detach()[:, None].expand(-1, heads, -1, -1).contiguous().requires_grad_(True) for t in (k, v))]
@@ -94,7 +112,31 @@ def selection_ms(seq: int) -> tuple[float, float]:
             milliseconds(lambda: select_topk(scores, TOPK)))
 
 
+def write_backward_configs() -> None:
+    seq = LENGTHS[-1]
+    q, k, v, indices = sparse_inputs(seq, BACKWARD_HEADS)
+    timed = config_sweep.sweep(dsa_module, "_backward_config", BACKWARD_CONFIGS, lambda: milliseconds(
+        forward_and_backward(lambda *t: sparse_attention(*t, indices), [q, k, v], backward=True)))
+    BACKWARD_RESULTS.write_text("\n".join([
+        "# DeepSeek sparse attention: backward configurations",
+        "",
+        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, Python "
+        f"{platform.python_version()}. Forward and backward, batch {BATCH}, {BACKWARD_HEADS} heads, T {seq}, head size "
+        f"{HEAD_DIM}, topk {TOPK}, {DTYPE}; milliseconds, fastest first. Written by "
+        "`python benchmarks/sparse_dsa.py --backward-configs`.",
+        "",
+        *config_sweep.table(timed, dsa_module._backward_config(DTYPE, BACKWARD_HEADS, HEAD_DIM)),
+        "",
+    ]))
+
+
 def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--backward-configs", action="store_true",
+                        help="time the backward's configurations instead (see the module's docstring)")
+    if parser.parse_args().backward_configs:
+        write_backward_configs()
+        return
     lines = [
         "# DeepSeek sparse attention: the reference against dense causal attention",
         "",
