@@ -28,6 +28,7 @@ from grader.distributed.raised import not_raising, raised_by
 from grader.distributed.rank import rank_device
 from grader.distributed.rank_data import without_seeds
 from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
+from grader.parallel.bubble import BACKWARD_S, FORWARD_S, ideal_bubble, measured_bubbles, serial_bubble
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.pipeline"]
@@ -319,6 +320,27 @@ def test_one_f_one_b_order(ranks, world_size, data):
     # m >= p: every stage goes through warm-up, steady state and cool-down.
     config = data.draw(configs(world_size, "1f1b", micro_batches=st.integers(world_size, 2 * world_size + 1)))
     check_orders(run_stages(ranks, world_size, config), config, world_size)
+
+
+# The overlap case: enough micro-batches that a pipeline's bubble is well below that of stages run one after another.
+OVERLAP_MICRO_BATCHES = 8
+
+
+@pytest.mark.parametrize("world_size", [4])
+def test_stages_overlap(ranks, world_size):
+    """The point of a pipeline: while one stage works on a micro-batch, the others work on theirs."""
+    ideal, serial = ideal_bubble(world_size, OVERLAP_MICRO_BATCHES), serial_bubble(world_size)
+    bubbles = measured_bubbles(ranks, world_size, [(schedule, OVERLAP_MICRO_BATCHES) for schedule in SCHEDULES])
+    for schedule, bubble in zip(SCHEDULES, bubbles, strict=True):
+        setup = (f"schedule {schedule!r}, {world_size} stages, m = {OVERLAP_MICRO_BATCHES}, each stage's forward "
+                 f"sleeping {FORWARD_S * 1e3:g} ms and its backward {BACKWARD_S * 1e3:g} ms")
+        if bubble < -0.05:
+            raise WrongAnswer(f"the step took less time than one stage's own work ({setup}): its stages' sleeps did "
+                              "not all run")
+        if bubble > (ideal + serial) / 2:
+            raise WrongAnswer(f"the stages idled for {bubble:.0%} of the step ({setup}); a pipeline's stages idle for "
+                              f"about (p - 1) / (m + p - 1) = {ideal:.0%}, stages that wait for the one before them "
+                              f"to finish every micro-batch for 1 - 1/p = {serial:.0%}")
 
 
 INVALID_STEPS = {"schedule='zigzag'": {"schedule": "zigzag", "micro_batches": 2},
