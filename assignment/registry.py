@@ -1081,21 +1081,24 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.analysis",
         title="Analysis questions: parallel training",
-        hours=1.5,
+        hours=2.5,
         learns="to size a model's state per rank under each ZeRO stage, a pipeline's micro-batches and stashed "
-        "activations, and a ring all-reduce's traffic, before running any of them",
+        "activations, and a ring all-reduce's traffic, before running any of them, and to measure a pipeline's bubble",
         points={
             "zero_state": 3,
             "micro_batches_for_bubble": 2,
             "peak_micro_batches": 2,
             "ring_all_reduce_bytes": 2,
+            "measured_bubble": 2,
         },
-        world_sizes=(),
+        # The measured bubble runs the student's pipeline on 4 ranks.
+        world_sizes=(4,),
         evidence={
             "zero_state": SHEET_EVIDENCE,
             "micro_batches_for_bubble": SHEET_EVIDENCE,
             "peak_micro_batches": SHEET_EVIDENCE,
             "ring_all_reduce_bytes": SHEET_EVIDENCE,
+            "measured_bubble": "in-process: compared with the step times of your pipeline_step measured in its ranks",
         },
     ),
 )

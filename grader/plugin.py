@@ -69,6 +69,7 @@ __all__ = [
     "sheet",
     "student_of",
     "ranks",
+    "ranks_of",
     "student_budget",
     "partial_credit",
 ]
@@ -344,6 +345,14 @@ def sheet(problem: Problem) -> dict:
     return answers.read_sheet(current().graded.module_file(problem.id))
 
 
+def measured_problem(problem_id: str) -> Problem:
+    """Another problem, one that an analysis question measures; "not implemented" while its module is the stub."""
+    module_file = current().graded.module_file(problem_id)
+    if not module_file.exists() or stubs.all_stubs(module_file):
+        raise NotImplementedByStudent(f"{problem_id} is not implemented, and this question measures it")
+    return registry.BY_ID[problem_id]
+
+
 @pytest.fixture
 def student_of(request: pytest.FixtureRequest):
     """Opens the student's module of another problem, one that an analysis question measures: call with its id. It
@@ -351,11 +360,7 @@ def student_of(request: pytest.FixtureRequest):
     opened = []
 
     def open_module(problem_id: str) -> Sandbox:
-        other = registry.BY_ID[problem_id]
-        module_file = current().graded.module_file(problem_id)
-        if not module_file.exists() or stubs.all_stubs(module_file):
-            raise NotImplementedByStudent(f"{problem_id} is not implemented, and this question measures it")
-        sandbox = sandbox_for(request.config, other)
+        sandbox = sandbox_for(request.config, measured_problem(problem_id))
         sandbox.begin_test(budget.active())
         opened.append(sandbox)
         return sandbox
@@ -426,6 +431,24 @@ def ranks(request: pytest.FixtureRequest, problem: Problem):
     yield Ranks(problem, launcher, config.getoption("--timeout-scale"), config.stash[EXPECTATIONS])
     if hasattr(launcher, "close"):
         launcher.close()
+
+
+@pytest.fixture
+def ranks_of(request: pytest.FixtureRequest):
+    """Ranks running the student's module of another problem, one that an analysis question measures: call with its
+    id. They run under that problem's rules; the launcher is closed when the test ends."""
+    config = request.config
+    launchers = []
+
+    def open_ranks(problem_id: str) -> Ranks:
+        other = measured_problem(problem_id)
+        launchers.append(launcher_for(config.getoption("--launcher")))
+        return Ranks(other, launchers[-1], config.getoption("--timeout-scale"), config.stash[EXPECTATIONS])
+
+    yield open_ranks
+    for launcher in launchers:
+        if hasattr(launcher, "close"):
+            launcher.close()
 
 
 @pytest.fixture

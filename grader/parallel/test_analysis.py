@@ -1,18 +1,28 @@
 """Grading parallel.analysis: the parallel training family's analysis questions, read from the student's answer
 sheet.
 
-Every answer here is derived, the same on any machine: the grader derives each from the question's numbers, as
-written out below, with the conventions the family's contracts pin (parallel.accounting's bytes per parameter and
-communication volume, parallel.pipeline's schedules).
+Derived answers are the same on any machine: the grader derives each from the question's numbers, as written out
+below, with the conventions the family's contracts pin (parallel.accounting's bytes per parameter and communication
+volume, parallel.pipeline's schedules). One answer is measured: the bubble of the student's own pipeline_step, which
+the grader measures again as grader.parallel.bubble describes. Its stages' work is a sleep and it runs over gloo on
+the CPU, so its measurement is the same on any machine, GPU or not, up to a few points of overhead.
 """
 
 from __future__ import annotations
 
-from grader.checks.answers import check_derived
+from grader.checks.answers import check_derived, number
+from grader.checks.outcomes import WrongAnswer
+from grader.parallel.bubble import measured_bubbles
 
 PARAMETERS, RANKS, GIB = 7e9, 64, 2**30
 # bf16 parameter and gradient, fp32 master parameter and Adam's two moments.
 PARAMETER_BYTES, GRADIENT_BYTES, OPTIMIZER_BYTES = 2, 2, 12
+# The measured bubble: GPipe over 4 stages of grader.parallel.bubble's sleeping layers, at each of these numbers of
+# micro-batches. A machine's communication and Python overheads move a bubble by a few points (on a 2-core CPU host,
+# 0.297 against the 3/11 = 0.273 of free communication at m = 8), so an answer may lie BUBBLE_ABS_TOL from the
+# grader's.
+BUBBLE_STAGES, BUBBLE_MICRO_BATCHES = 4, (4, 16)
+BUBBLE_ABS_TOL = 0.05
 
 
 def test_zero_state(sheet):
@@ -43,3 +53,20 @@ def test_ring_all_reduce_bytes(sheet):
     bucket, ranks = GIB, 8
     # A reduce-scatter then an all-gather, each sending (N - 1) chunks of bucket / N per rank.
     check_derived(sheet, "ring_all_reduce_bytes", 2 * (ranks - 1) * bucket // ranks)
+
+
+def test_measured_bubble(sheet, ranks_of):
+    written = {}
+    for micro_batches in BUBBLE_MICRO_BATCHES:
+        key = f"measured_bubble_m{micro_batches}"
+        written[key] = number(sheet, key)
+        if not 0 <= written[key] < 1:
+            raise WrongAnswer(f"{key}: a bubble is the fraction of the step a stage idles, from 0 to 1, not "
+                              f"{written[key]:g}")
+    pipeline = ranks_of("parallel.pipeline")  # a measurement needs the pipeline written
+    cases = [("gpipe", micro_batches) for micro_batches in BUBBLE_MICRO_BATCHES]
+    for (key, value), bubble in zip(written.items(), measured_bubbles(pipeline, BUBBLE_STAGES, cases), strict=True):
+        if abs(value - bubble) > BUBBLE_ABS_TOL:
+            raise WrongAnswer(f"{key}: you wrote {value:.3f}, the grader measured {bubble:.3f} (your pipeline_step, "
+                              f"GPipe over {BUBBLE_STAGES} stages whose forward sleeps 20 ms and backward 40 ms, on "
+                              f"gloo); the answer must be within {BUBBLE_ABS_TOL} of the grader's measurement")

@@ -1,0 +1,40 @@
+"""parallel.analysis's measured bubble is compared with the grader's measurement of the student's own pipeline.
+
+One sheet answers the bubble of stages that run one after another (about 1 - 1/p = 0.75 at any m). Graded beside
+the reference's pipeline, whose stages overlap, it fails and names the grader's measurement; graded beside a
+pipeline whose stages wait for the whole batch (the mutant gpipe_stages_one_after_another), the same sheet passes.
+"""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+from tests import mutants
+from tests.grading import ROOT, assert_fails_for, run_grader
+
+SERIAL_BUBBLES = {"measured_bubble_m4": 0.76, "measured_bubble_m16": 0.76}
+SELECTION = ("--problem", "parallel.analysis", "-k", "measured_bubble")
+
+
+def package(folder: Path, pipeline_source: str) -> Path:
+    """An implementation package holding `pipeline_source` and the reference's sheet with SERIAL_BUBBLES."""
+    (folder / "parallel").mkdir(parents=True)
+    (folder / "parallel" / "pipeline.py").write_text(pipeline_source)
+    sheet = (ROOT / "reference" / "parallel" / "analysis.py").read_text()
+    for key, value in SERIAL_BUBBLES.items():
+        line = next(line for line in sheet.splitlines() if line.strip().startswith(f'"{key}":'))
+        sheet = sheet.replace(line, f'    "{key}": {value},')
+    (folder / "parallel" / "analysis.py").write_text(sheet)
+    return folder
+
+
+def test_the_bubble_is_measured_on_the_students_pipeline(tmp_path):
+    overlapping = package(tmp_path / "overlapping", (ROOT / "reference" / "parallel" / "pipeline.py").read_text())
+    run = run_grader(overlapping, *SELECTION)
+    assert_fails_for(run, "parallel.analysis", "measured_bubble", "measured_bubble_m4: you wrote 0.760",
+                     "the grader measured")
+    serial = mutants.load(mutants.WRONG / "parallel_pipeline" / "gpipe_stages_one_after_another")
+    shutil.rmtree(overlapping)
+    run = run_grader(package(tmp_path / "serial", serial.source()), *SELECTION)
+    assert [t["status"] for t in run.tests_of("parallel.analysis")] == ["passed"], run.output[-3000:]
