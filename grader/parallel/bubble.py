@@ -18,7 +18,7 @@ import time
 import torch
 import torch.distributed as dist
 
-FORWARD_S, BACKWARD_S = 0.02, 0.04
+FORWARD_S, BACKWARD_S = 0.04, 0.08
 WIDTH, ROWS_PER_MICRO_BATCH = 8, 2
 # The first step of a schedule also opens the connections between neighbours; the fastest of the steps after it is
 # the one least disturbed by other processes on the machine.

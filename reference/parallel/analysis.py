@@ -20,6 +20,6 @@ ANSWERS = {
     "ring_all_reduce_bytes": 1879048192,
     # The bubble you measure: your pipeline_step, GPipe over 4 stages of sleeping layers (handout), 4 and 16
     # micro-batches.
-    "measured_bubble_m4": 0.46,
-    "measured_bubble_m16": 0.21,
+    "measured_bubble_m4": 0.44,
+    "measured_bubble_m16": 0.17,
 }

@@ -87,8 +87,8 @@ def pipeline_step(
     returning.
 
     Overlap (checked): the stages must work at the same time. The grader times steps of 4 stages with m = 8, on
-    the CPU over a gloo group of all the ranks (passed as `group`), each stage a layer whose forward sleeps 20 ms
-    and whose backward sleeps 40 ms, from a barrier before pipeline_step to one after it. The bubble it measures,
+    the CPU over a gloo group of all the ranks (passed as `group`), each stage a layer whose forward sleeps 40 ms
+    and whose backward sleeps 80 ms, from a barrier before pipeline_step to one after it. The bubble it measures,
     1 - m (t_f + t_b) / step time, must lie nearer (p - 1) / (m + p - 1) = 27 % than the 1 - 1/p = 75 % of stages
     that wait for the one before them to finish the whole batch, under both schedules.
 
