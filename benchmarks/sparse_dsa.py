@@ -1,7 +1,7 @@
 """The DeepSeek sparse attention reference on one GPU: attention over each query's top-k keys (forward, and forward
 with backward) against dense causal attention of the same shape, with the indexer and the selection timed apart.
 
-    python benchmarks/sparse_dsa.py [--backward-configs]
+    python benchmarks/sparse_dsa.py [--backward-configs | --atomic-bound]
 
 writes benchmarks/results/sparse_dsa.md. Shapes: batch 1, T = 8192 and 32768, topk = 2048, head size 128,
 bfloat16, 16, 64 and 128 query heads sharing one key and one value per token (the MQA form DeepSeek runs it in). Dense
@@ -19,15 +19,25 @@ forward and backward grows with the heads and the length, and stays below the fo
 --backward-configs times forward and backward at 64 heads, T = 32768 under each backward configuration of
 BACKWARD_CONFIGS instead (the sweep behind the reference's `_backward_config`) and writes
 benchmarks/results/sparse_dsa_backward_configs.md.
+
+--atomic-bound times, at T = 32768 and each number of heads, the reference's forward and backward beside the same
+kernels with the backward's atomic adds of dK and dV made plain stores (`store_bound_module`): wrong sums, but the
+time the backward would take if adding the rows cost no more than writing them, the most any other way of adding
+them could save. Writes benchmarks/results/sparse_dsa_atomic_bound.md.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import inspect
 import itertools
 import platform
+import re
 import sys
+import tempfile
 from pathlib import Path
+from types import ModuleType
 
 import torch
 import triton
@@ -54,6 +64,9 @@ BACKWARD_HEADS = 64
 BACKWARD_CONFIGS = [dict(BLOCK_H=BACKWARD_HEADS, BLOCK_N=block_n, num_warps=warps, num_stages=stages)
                     for block_n, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3))]
 BACKWARD_RESULTS = ROOT / "benchmarks" / "results" / "sparse_dsa_backward_configs.md"
+ATOMIC_BOUND_RESULTS = ROOT / "benchmarks" / "results" / "sparse_dsa_atomic_bound.md"
+# The backward's two float32 atomic adds, `tl.atomic_add(address, rows, mask=..., sem="relaxed")`.
+ATOMIC_ADD = re.compile(r'tl\.atomic_add\((.*), sem="relaxed"\)')
 
 
 def normal(*size, generator) -> torch.Tensor:
@@ -130,12 +143,61 @@ def write_backward_configs() -> None:
     ]))
 
 
+def store_bound_module(folder: Path) -> ModuleType:
+    """The reference's sparse_dsa with each atomic add of its backward made a plain store to the same rows, imported
+    from a file in `folder` (triton.jit reads a kernel's source from its file)."""
+    source, count = ATOMIC_ADD.subn(r"tl.store(\1)", inspect.getsource(dsa_module))
+    if count != 2 or "atomic_add(" in source:
+        raise RuntimeError(f"expected the backward's two atomic adds of dK and dV in {dsa_module.__file__}, found "
+                           f"{count}: update ATOMIC_ADD")
+    path = folder / "sparse_dsa_store_bound.py"
+    path.write_text(source)
+    spec = importlib.util.spec_from_file_location("sparse_dsa_store_bound", path)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_atomic_bound() -> None:
+    seq = LENGTHS[-1]
+    lines = [
+        "# DeepSeek sparse attention: what the backward's atomics cost",
+        "",
+        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, Python "
+        f"{platform.python_version()}. Forward and backward, batch {BATCH}, T {seq}, head size {HEAD_DIM}, topk "
+        f"{TOPK}, {DTYPE}; the bound writes dK and dV rows with plain stores instead of float32 atomic adds (wrong "
+        "sums, the same work otherwise). Written by `python benchmarks/sparse_dsa.py --atomic-bound`.",
+        "",
+        "| heads | reference ms | stores instead of atomics ms | bound / reference |",
+        "|---|---|---|---|",
+    ]
+    with tempfile.TemporaryDirectory() as folder:
+        bound = store_bound_module(Path(folder))
+        for heads in HEAD_COUNTS:
+            q, k, v, indices = sparse_inputs(seq, heads)
+            reference_ms, bound_ms = (milliseconds(forward_and_backward(
+                lambda *t, attention=attention: attention(*t, indices), [q, k, v], backward=True))
+                for attention in (sparse_attention, bound.sparse_attention))
+            lines.append(f"| {heads} | {reference_ms:.2f} | {bound_ms:.2f} | {bound_ms / reference_ms:.2f} |")
+            print(lines[-1], flush=True)
+            torch.cuda.empty_cache()
+    ATOMIC_BOUND_RESULTS.write_text("\n".join(lines) + "\n")
+    print(f"wrote {ATOMIC_BOUND_RESULTS}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--backward-configs", action="store_true",
                         help="time the backward's configurations instead (see the module's docstring)")
-    if parser.parse_args().backward_configs:
+    parser.add_argument("--atomic-bound", action="store_true",
+                        help="time the backward with its atomic adds made stores instead (see the module's docstring)")
+    arguments = parser.parse_args()
+    if arguments.backward_configs:
         write_backward_configs()
+        return
+    if arguments.atomic_bound:
+        write_atomic_bound()
         return
     lines = [
         "# DeepSeek sparse attention: the reference against dense causal attention",

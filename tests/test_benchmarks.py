@@ -4,6 +4,7 @@ ask of the grader (its options, its sandbox) is what the grader takes today."""
 from __future__ import annotations
 
 import importlib.util
+import os
 import subprocess
 import sys
 
@@ -50,3 +51,35 @@ def test_speed_stability_starts_the_reference_in_the_graders_sandbox():
     finally:
         sandbox.close()
         sandbox_isolation.close()
+
+
+STORE_BOUND_CHECK = """
+import tempfile
+from pathlib import Path
+
+import torch
+
+from tests.test_benchmarks import benchmark
+
+sparse_dsa = benchmark("sparse_dsa")
+generator = torch.Generator().manual_seed(0)
+q = torch.randn(1, 8, 2, 16, generator=generator, requires_grad=True)
+k, v = (torch.randn(1, 8, 16, generator=generator, requires_grad=True) for _ in range(2))
+indices = torch.tensor([[[0, -1]] + [[0, t] for t in range(1, 8)]])  # key 0 is every query's: its dK is a sum
+with tempfile.TemporaryDirectory() as folder:
+    bound = sparse_dsa.store_bound_module(Path(folder))
+    grads = [torch.autograd.grad(attention(q, k, v, indices).sum(), (q, k, v))
+             for attention in (sparse_dsa.sparse_attention, bound.sparse_attention)]
+assert torch.equal(grads[0][0], grads[1][0]), "dQ differs: the bound changed more than the atomic adds"
+assert not torch.allclose(grads[0][1][0, 0], grads[1][1][0, 0]), "key 0's dK is still a sum"
+assert torch.allclose(grads[0][1][0, 1:], grads[1][1][0, 1:]), "a key one query selects has another dK"
+print("bound ok")
+"""
+
+
+def test_the_atomic_bound_replaces_only_the_backwards_atomic_adds():
+    """benchmarks/sparse_dsa.py --atomic-bound's kernels, in the interpreter: the same dQ, and dK rows that keep one
+    query's contribution where the reference adds several."""
+    done = subprocess.run([sys.executable, "-c", STORE_BOUND_CHECK], cwd=ROOT, capture_output=True, text=True,
+                          timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
+    assert done.stdout.strip() == "bound ok", done.stdout + done.stderr[-3000:]
