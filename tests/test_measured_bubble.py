@@ -38,3 +38,12 @@ def test_the_bubble_is_measured_on_the_students_pipeline(tmp_path):
     shutil.rmtree(overlapping)
     run = run_grader(package(tmp_path / "serial", serial.source()), *SELECTION)
     assert [t["status"] for t in run.tests_of("parallel.analysis")] == ["passed"], run.output[-3000:]
+
+
+def test_an_unwritten_pipeline_leaves_the_question_not_implemented(tmp_path):
+    """The sheet is answered but pipeline.py is still the stub: nothing to measure, so the question shows "not
+    implemented" and names the problem it waits for, as a stub does."""
+    run = run_grader(package(tmp_path, (ROOT / "student_impl" / "parallel" / "pipeline.py").read_text()), *SELECTION)
+    [test] = run.tests_of("parallel.analysis")
+    assert test["output"].startswith("not implemented") and "parallel.pipeline is not implemented" in test["output"], (
+        run.output[-3000:])
