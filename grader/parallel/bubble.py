@@ -40,6 +40,8 @@ class Sleep(torch.autograd.Function):
 
 
 class SleepStage(torch.nn.Module):
+    """One stage: a linear layer (so that the stage has parameters and a gradient to send back), then Sleep."""
+
     def __init__(self):
         super().__init__()
         self.linear = torch.nn.Linear(WIDTH, WIDTH)

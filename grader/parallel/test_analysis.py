@@ -5,7 +5,7 @@ Derived answers are the same on any machine: the grader derives each from the qu
 below, with the conventions the family's contracts pin (parallel.accounting's bytes per parameter and communication
 volume, parallel.pipeline's schedules). One answer is measured: the bubble of the student's own pipeline_step, which
 the grader measures again as grader.parallel.bubble describes. Its stages' work is a sleep and it runs over gloo on
-the CPU, so its measurement is the same on any machine, GPU or not, up to a few points of overhead.
+the CPU, so its measurement is the same on any machine, GPU or not, up to a point or two of overhead.
 """
 
 from __future__ import annotations
