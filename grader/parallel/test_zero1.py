@@ -125,7 +125,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
             sharded.zero_grad()
             for param in not_given:
                 param.grad = None  # the optimizer's zero_grad clears only its own parameters' gradients
-            new_bytes.append(memory.probe("after the step"))
+            new_bytes.append(memory.settled_probe("after the step"))
         weights.append([p.detach().cpu().clone() for p in params])
         inner = sharded.optimizer
         state_bytes.append(sum(state_bytes_by_parameter(inner, list(inner.state))))

@@ -99,7 +99,7 @@ def train_on_rank(student, rank: int, world_size: int, config: dict, rank_data: 
             calls = [(c.op, c.bytes, c.async_op, c.phase, c.waited, c.src) for c in recorder.CALLS]
             recorder.release_handles()  # the recorder's own references to the reduces' tensors
             gc.collect()  # and any cycle holding a freed gradient
-            new_bytes.append(memory.probe("after finish_gradient_synchronization()"))
+            new_bytes.append(memory.settled_probe("after finish_gradient_synchronization()"))
         grads.append([None if p.grad is None else p.grad.detach().cpu().clone() for p in model.parameters()])
         with recorder.phase("step"):
             zero.step()
