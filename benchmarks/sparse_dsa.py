@@ -73,6 +73,12 @@ def normal(*size, generator) -> torch.Tensor:
     return torch.randn(size, generator=generator, device="cuda", dtype=DTYPE)
 
 
+def environment() -> str:
+    """The GPU and the versions every results file names."""
+    return (f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, Python "
+            f"{platform.python_version()}")
+
+
 def milliseconds(call) -> float:
     return triton.testing.do_bench(call, warmup=5, rep=100, return_mode="median")
 
@@ -133,8 +139,7 @@ def write_backward_configs() -> None:
     BACKWARD_RESULTS.write_text("\n".join([
         "# DeepSeek sparse attention: backward configurations",
         "",
-        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, Python "
-        f"{platform.python_version()}. Forward and backward, batch {BATCH}, {BACKWARD_HEADS} heads, T {seq}, head size "
+        f"{environment()}. Forward and backward, batch {BATCH}, {BACKWARD_HEADS} heads, T {seq}, head size "
         f"{HEAD_DIM}, topk {TOPK}, {DTYPE}; milliseconds, fastest first. Written by "
         "`python benchmarks/sparse_dsa.py --backward-configs`.",
         "",
@@ -164,8 +169,7 @@ def write_atomic_bound() -> None:
     lines = [
         "# DeepSeek sparse attention: what the backward's atomics cost",
         "",
-        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, Python "
-        f"{platform.python_version()}. Forward and backward, batch {BATCH}, T {seq}, head size {HEAD_DIM}, topk "
+        f"{environment()}. Forward and backward, batch {BATCH}, T {seq}, head size {HEAD_DIM}, topk "
         f"{TOPK}, {DTYPE}; the bound writes dK and dV rows with plain stores instead of float32 atomic adds (wrong "
         "sums, the same work otherwise). Written by `python benchmarks/sparse_dsa.py --atomic-bound`.",
         "",
@@ -202,8 +206,7 @@ def main() -> None:
     lines = [
         "# DeepSeek sparse attention: the reference against dense causal attention",
         "",
-        f"GPU: {torch.cuda.get_device_name()}; torch {torch.__version__}, triton {triton.__version__}, Python "
-        f"{platform.python_version()}. Batch {BATCH}, head size {HEAD_DIM}, topk {TOPK}, {DTYPE}; keys and values "
+        f"{environment()}. Batch {BATCH}, head size {HEAD_DIM}, topk {TOPK}, {DTYPE}; keys and values "
         "shared by the heads (repeated per head for dense attention). Medians of triton.testing.do_bench.",
         "",
         f"Target at T = {LENGTHS[-1]}: dense / sparse >= {TARGET} (ideal T / (2 topk) = {LENGTHS[-1] / (2 * TOPK):g}).",

@@ -422,33 +422,38 @@ class Ranks:
         )
         return self.launcher.run(job)
 
+    def close(self) -> None:
+        if hasattr(self.launcher, "close"):
+            self.launcher.close()
+
+
+def ranks_for(config: pytest.Config, problem: Problem) -> Ranks:
+    """Ranks running the student's module of `problem`, through a launcher of the run's --launcher."""
+    return Ranks(problem, launcher_for(config.getoption("--launcher")), config.getoption("--timeout-scale"),
+                 config.stash[EXPECTATIONS])
+
 
 @pytest.fixture(scope="module")
 def ranks(request: pytest.FixtureRequest, problem: Problem):
     """The problem's launcher, kept for its tests (the local one keeps its rank groups) and closed after them."""
-    config = request.config
-    launcher = launcher_for(config.getoption("--launcher"))
-    yield Ranks(problem, launcher, config.getoption("--timeout-scale"), config.stash[EXPECTATIONS])
-    if hasattr(launcher, "close"):
-        launcher.close()
+    opened = ranks_for(request.config, problem)
+    yield opened
+    opened.close()
 
 
 @pytest.fixture
 def ranks_of(request: pytest.FixtureRequest):
     """Ranks running the student's module of another problem, one that an analysis question measures: call with its
     id. They run under that problem's rules; the launcher is closed when the test ends."""
-    config = request.config
-    launchers = []
+    opened = []
 
     def open_ranks(problem_id: str) -> Ranks:
-        other = measured_problem(problem_id)
-        launchers.append(launcher_for(config.getoption("--launcher")))
-        return Ranks(other, launchers[-1], config.getoption("--timeout-scale"), config.stash[EXPECTATIONS])
+        opened.append(ranks_for(request.config, measured_problem(problem_id)))
+        return opened[-1]
 
     yield open_ranks
-    for launcher in launchers:
-        if hasattr(launcher, "close"):
-            launcher.close()
+    for ranks_of_problem in opened:
+        ranks_of_problem.close()
 
 
 @pytest.fixture

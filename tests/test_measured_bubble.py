@@ -7,7 +7,6 @@ pipeline whose stages wait for the whole batch (the mutant gpipe_stages_one_afte
 
 from __future__ import annotations
 
-import shutil
 from pathlib import Path
 
 from tests import mutants
@@ -35,7 +34,6 @@ def test_the_bubble_is_measured_on_the_students_pipeline(tmp_path):
     assert_fails_for(run, "parallel.analysis", "measured_bubble", "measured_bubble_m4: you wrote 0.760",
                      "the grader measured")
     serial = mutants.load(mutants.WRONG / "parallel_pipeline" / "gpipe_stages_one_after_another")
-    shutil.rmtree(overlapping)
     run = run_grader(package(tmp_path / "serial", serial.source()), *SELECTION)
     assert [t["status"] for t in run.tests_of("parallel.analysis")] == ["passed"], run.output[-3000:]
 

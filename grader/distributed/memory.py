@@ -137,10 +137,7 @@ class MemoryProbe:
 
     def probe(self, where: str) -> int:
         """Record the bytes held now (named `where` if they are the highest so far); returns them above the start."""
-        held = self.live_bytes()
-        if held > self.peak:
-            self.peak, self.peak_where = held, where
-        return held - self.baseline
+        return self._record(self.live_bytes(), where)
 
     def settled_probe(self, where: str) -> int:
         """probe(where) for the bytes a finished region leaves alive: the least of SETTLE_READINGS readings.
@@ -153,9 +150,12 @@ class MemoryProbe:
         for _ in range(SETTLE_READINGS - 1):
             time.sleep(SETTLE_INTERVAL_S)
             least = min(least, self.live_bytes())
-        if least > self.peak:
-            self.peak, self.peak_where = least, where
-        return least - self.baseline
+        return self._record(least, where)
+
+    def _record(self, held: int, where: str) -> int:
+        if held > self.peak:
+            self.peak, self.peak_where = held, where
+        return held - self.baseline
 
     def peak_above_start(self) -> tuple[int, str]:
         """(peak bytes held above the baseline since start(), where the highest probe point was)."""

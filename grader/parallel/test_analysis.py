@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from grader.checks.answers import check_derived, number
 from grader.checks.outcomes import WrongAnswer
-from grader.parallel.bubble import BACKWARD_S, FORWARD_S, measured_bubbles
+from grader.parallel.bubble import BACKWARD_S, FORWARD_S, ideal_bubble, measured_bubbles
 
 PARAMETERS, RANKS, GIB = 7e9, 64, 2**30
 # bf16 parameter and gradient, fp32 master parameter and Adam's two moments.
@@ -37,7 +37,7 @@ def test_zero_state(sheet):
 
 def test_micro_batches_for_bubble(sheet):
     stages = 8
-    least = next(m for m in range(1, 10_000) if (stages - 1) / (m + stages - 1) < 0.05)
+    least = next(m for m in range(1, 10_000) if ideal_bubble(stages, m) < 0.05)
     check_derived(sheet, "micro_batches_for_bubble", least)
 
 

@@ -275,7 +275,7 @@ def check_orders(results: list[dict], config: dict, world_size: int) -> None:
 @given(stages=st.integers(1, 64), micro_batches=st.integers(1, 512))
 def test_bubble_fraction(student, stages, micro_batches):
     got = student.call("bubble_fraction", stages, micro_batches)
-    want = (stages - 1) / (micro_batches + stages - 1)
+    want = ideal_bubble(stages, micro_batches)
     if not isinstance(got, float) or abs(got - want) > 1e-12:
         raise WrongAnswer(f"bubble_fraction({stages}, {micro_batches}) returned {got!r}; expected "
                           f"(p - 1) / (m + p - 1) = {want!r}")
