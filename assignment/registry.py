@@ -1081,17 +1081,19 @@ PROBLEMS: tuple[Problem, ...] = (
     Problem(
         id="parallel.analysis",
         title="Analysis questions: parallel training",
-        hours=2.5,
+        hours=3,
         learns="to size a model's state per rank under each ZeRO stage, a pipeline's micro-batches and stashed "
-        "activations, and a ring all-reduce's traffic, before running any of them, and to measure a pipeline's bubble",
+        "activations, and a ring all-reduce's traffic, before running any of them, and to measure a pipeline's bubble "
+        "and how gradient buckets trade latency against overlap",
         points={
             "zero_state": 3,
             "micro_batches_for_bubble": 2,
             "peak_micro_batches": 2,
             "ring_all_reduce_bytes": 2,
             "measured_bubble": 2,
+            "measured_bucket_step_time": 2,
         },
-        # The measured bubble runs the student's pipeline on 4 ranks.
+        # The measured bubble runs the student's pipeline on 4 ranks (the bucket step time, bucketed DDP on 2).
         world_sizes=(4,),
         evidence={
             "zero_state": SHEET_EVIDENCE,
@@ -1099,6 +1101,8 @@ PROBLEMS: tuple[Problem, ...] = (
             "peak_micro_batches": SHEET_EVIDENCE,
             "ring_all_reduce_bytes": SHEET_EVIDENCE,
             "measured_bubble": "in-process: compared with the step times of your pipeline_step measured in its ranks",
+            "measured_bucket_step_time": "in-process: compared with the step times of your BucketedDDP measured in its "
+            "ranks",
         },
     ),
 )

@@ -22,4 +22,10 @@ ANSWERS = {
     # micro-batches.
     "measured_bubble_m4": 0.44,
     "measured_bubble_m16": 0.17,
+    # The step time in ms you measure: your BucketedDDP over the simulated link (handout), buckets of 0.25,
+    # 0.5, 1 and 2 MiB.
+    "ddp_step_ms_bucket_0_25mb": 224,
+    "ddp_step_ms_bucket_0_5mb": 208,
+    "ddp_step_ms_bucket_1mb": 238,
+    "ddp_step_ms_bucket_2mb": 299,
 }

@@ -22,4 +22,10 @@ ANSWERS = {
     # micro-batches.
     "measured_bubble_m4": None,
     "measured_bubble_m16": None,
+    # The step time in ms you measure: your BucketedDDP over the simulated link (handout), buckets of 0.25,
+    # 0.5, 1 and 2 MiB.
+    "ddp_step_ms_bucket_0_25mb": None,
+    "ddp_step_ms_bucket_0_5mb": None,
+    "ddp_step_ms_bucket_1mb": None,
+    "ddp_step_ms_bucket_2mb": None,
 }
