@@ -60,6 +60,19 @@ def assert_fails_for(run: GraderRun, problem_id: str, test: str, *fragments: str
     assert run.returncode != 0
 
 
+def beside_parallel_sheet(folder: Path, module: str, source: str, answers: dict) -> Path:
+    """An implementation package holding `source` as parallel/<module>.py and the reference's parallel.analysis sheet
+    with `answers` written over its own: a measured question graded on the code it measures."""
+    (folder / "parallel").mkdir(parents=True)
+    (folder / "parallel" / f"{module}.py").write_text(source)
+    sheet = (ROOT / "reference" / "parallel" / "analysis.py").read_text()
+    for key, value in answers.items():
+        line = next(line for line in sheet.splitlines() if line.strip().startswith(f'"{key}":'))
+        sheet = sheet.replace(line, f'    "{key}": {value},')
+    (folder / "parallel" / "analysis.py").write_text(sheet)
+    return folder
+
+
 def processes_with(marker: str) -> list[int]:
     """Live processes whose environment holds `marker`: a run's own workers and ranks, whatever else runs here."""
     found = []

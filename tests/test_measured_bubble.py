@@ -7,41 +7,29 @@ pipeline whose stages wait for the whole batch (the mutant gpipe_stages_one_afte
 
 from __future__ import annotations
 
-from pathlib import Path
-
 from tests import mutants
-from tests.grading import ROOT, assert_fails_for, run_grader
+from tests.grading import ROOT, assert_fails_for, beside_parallel_sheet, run_grader
 
 SERIAL_BUBBLES = {"measured_bubble_m4": 0.76, "measured_bubble_m16": 0.76}
 SELECTION = ("--problem", "parallel.analysis", "-k", "measured_bubble")
 
 
-def package(folder: Path, pipeline_source: str) -> Path:
-    """An implementation package holding `pipeline_source` and the reference's sheet with SERIAL_BUBBLES."""
-    (folder / "parallel").mkdir(parents=True)
-    (folder / "parallel" / "pipeline.py").write_text(pipeline_source)
-    sheet = (ROOT / "reference" / "parallel" / "analysis.py").read_text()
-    for key, value in SERIAL_BUBBLES.items():
-        line = next(line for line in sheet.splitlines() if line.strip().startswith(f'"{key}":'))
-        sheet = sheet.replace(line, f'    "{key}": {value},')
-    (folder / "parallel" / "analysis.py").write_text(sheet)
-    return folder
-
-
 def test_the_bubble_is_measured_on_the_students_pipeline(tmp_path):
-    overlapping = package(tmp_path / "overlapping", (ROOT / "reference" / "parallel" / "pipeline.py").read_text())
-    run = run_grader(overlapping, *SELECTION)
+    reference = (ROOT / "reference" / "parallel" / "pipeline.py").read_text()
+    run = run_grader(beside_parallel_sheet(tmp_path / "overlapping", "pipeline", reference, SERIAL_BUBBLES), *SELECTION)
     assert_fails_for(run, "parallel.analysis", "measured_bubble", "measured_bubble_m4: you wrote 0.760",
                      "the grader measured")
     serial = mutants.load(mutants.WRONG / "parallel_pipeline" / "gpipe_stages_one_after_another")
-    run = run_grader(package(tmp_path / "serial", serial.source()), *SELECTION)
+    serial_package = beside_parallel_sheet(tmp_path / "serial", "pipeline", serial.source(), SERIAL_BUBBLES)
+    run = run_grader(serial_package, *SELECTION)
     assert [t["status"] for t in run.tests_of("parallel.analysis")] == ["passed"], run.output[-3000:]
 
 
 def test_an_unwritten_pipeline_leaves_the_question_not_implemented(tmp_path):
     """The sheet is answered but pipeline.py is still the stub: nothing to measure, so the question shows "not
     implemented" and names the problem it waits for, as a stub does."""
-    run = run_grader(package(tmp_path, (ROOT / "student_impl" / "parallel" / "pipeline.py").read_text()), *SELECTION)
+    stub = (ROOT / "student_impl" / "parallel" / "pipeline.py").read_text()
+    run = run_grader(beside_parallel_sheet(tmp_path, "pipeline", stub, SERIAL_BUBBLES), *SELECTION)
     [test] = run.tests_of("parallel.analysis")
     assert test["output"].startswith("not implemented") and "parallel.pipeline is not implemented" in test["output"], (
         run.output[-3000:])

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import socket
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -20,7 +19,7 @@ import torch.multiprocessing
 
 from grader.parallel import link
 from tests import mutants
-from tests.grading import ROOT, assert_fails_for, run_grader
+from tests.grading import ROOT, assert_fails_for, beside_parallel_sheet, run_grader
 
 # 160 ms of backward, then 8, 4, 2 and 1 buckets of 10 ms latency plus 60 ms per MiB, one after another.
 LATE_STEP_MS = {"ddp_step_ms_bucket_0_25mb": 360, "ddp_step_ms_bucket_0_5mb": 320,
@@ -28,31 +27,20 @@ LATE_STEP_MS = {"ddp_step_ms_bucket_0_25mb": 360, "ddp_step_ms_bucket_0_5mb": 32
 SELECTION = ("--problem", "parallel.analysis", "-k", "measured_bucket_step_time")
 
 
-def package(folder: Path, ddp_source: str) -> Path:
-    """An implementation package holding `ddp_source` and the reference's sheet with LATE_STEP_MS."""
-    (folder / "parallel").mkdir(parents=True)
-    (folder / "parallel" / "ddp_bucketed.py").write_text(ddp_source)
-    sheet = (ROOT / "reference" / "parallel" / "analysis.py").read_text()
-    for key, value in LATE_STEP_MS.items():
-        line = next(line for line in sheet.splitlines() if line.strip().startswith(f'"{key}":'))
-        sheet = sheet.replace(line, f'    "{key}": {value},')
-    (folder / "parallel" / "analysis.py").write_text(sheet)
-    return folder
-
-
 def test_the_step_time_is_measured_on_the_students_ddp(tmp_path):
-    overlapping = package(tmp_path / "overlapping", (ROOT / "reference" / "parallel" / "ddp_bucketed.py").read_text())
+    reference = (ROOT / "reference" / "parallel" / "ddp_bucketed.py").read_text()
+    overlapping = beside_parallel_sheet(tmp_path / "overlapping", "ddp_bucketed", reference, LATE_STEP_MS)
     run = run_grader(overlapping, *SELECTION)
     assert_fails_for(run, "parallel.analysis", "measured_bucket_step_time",
                      "ddp_step_ms_bucket_0_25mb: you wrote 360 ms", "the grader measured")
     late = mutants.load(mutants.WRONG / "parallel_ddp_bucketed" / "issues_all_at_end_of_backward")
-    run = run_grader(package(tmp_path / "late", late.source()), *SELECTION)
+    run = run_grader(beside_parallel_sheet(tmp_path / "late", "ddp_bucketed", late.source(), LATE_STEP_MS), *SELECTION)
     assert [t["status"] for t in run.tests_of("parallel.analysis")] == ["passed"], run.output[-3000:]
 
 
 def test_an_unwritten_ddp_leaves_the_question_not_implemented(tmp_path):
     ddp_stub = (ROOT / "student_impl" / "parallel" / "ddp_bucketed.py").read_text()
-    run = run_grader(package(tmp_path, ddp_stub), *SELECTION)
+    run = run_grader(beside_parallel_sheet(tmp_path, "ddp_bucketed", ddp_stub, LATE_STEP_MS), *SELECTION)
     [test] = run.tests_of("parallel.analysis")
     assert test["output"].startswith("not implemented"), run.output[-3000:]
     assert "parallel.ddp_bucketed is not implemented" in test["output"], run.output[-3000:]
