@@ -326,6 +326,7 @@ PROBLEMS: tuple[Problem, ...] = (
         "tiled matmul and of FlashAttention before writing them",
         points={
             "softmax_copy_fraction": 3,
+            "softmax_copy_fraction_small": 2,
             "softmax_small_reason": 2,
             "matmul_tile_intensity": 2,
             "flash_key_blocks": 2,
@@ -333,6 +334,7 @@ PROBLEMS: tuple[Problem, ...] = (
         world_sizes=(),
         evidence={
             "softmax_copy_fraction": MEASURED_EVIDENCE,
+            "softmax_copy_fraction_small": MEASURED_EVIDENCE,
             "softmax_small_reason": SHEET_EVIDENCE,
             "matmul_tile_intensity": SHEET_EVIDENCE,
             "flash_key_blocks": SHEET_EVIDENCE,

@@ -1,9 +1,9 @@
 """Grading kernels.analysis: the Triton kernels family's analysis questions, read from the student's answer sheet.
 
 Derived answers are compared with the grader's derivation, written out below from each question's numbers. The copy-
-bandwidth fraction is measured: on a GPU the grader times the student's own softmax beside a copy, exactly as the
-question says to, and the answer must be within MEASURED_REL_TOL (grader.checks.answers) of that; without a GPU it
-can only check that it is consistent (a fraction of a copy), and says so.
+bandwidth fractions, at two sizes, are measured: on a GPU the grader times the student's own softmax beside a copy,
+exactly as the question says to, and the answer must be within MEASURED_REL_TOL (grader.checks.answers) of that;
+without a GPU it can only check that each is consistent (a fraction of a copy), and says so.
 """
 
 from __future__ import annotations
@@ -13,21 +13,31 @@ from grader.checks.marks import timed_on_gpu
 from grader.checks.outcomes import WrongAnswer
 from grader.kernels.speed_cases import SOFTMAX_BESIDE_COPY
 
-# The softmax input of the fraction, (shape, dtype) as the speed tests' cases.
+# The softmax inputs of the two fractions, (shape, dtype) as the speed tests' cases: 128 MiB, then 1 MiB.
 SOFTMAX_CASE = ((8192, 4096), "float32")
+SMALL_SOFTMAX_CASE = ((256, 1024), "float32")
 # A softmax cannot move its bytes much faster than a copy of them; timing noise may put it a little above.
 MOST_COPY_FRACTION = 1.25
 
 
+def check_copy_fraction(sheet, key: str, case: tuple, student_of, partial_credit) -> None:
+    fraction = number(sheet, key)
+    if not 0 < fraction <= MOST_COPY_FRACTION:
+        raise WrongAnswer(f"{key}: {fraction:g} is not a fraction of copy bandwidth (0 to about 1)")
+    softmax = student_of("kernels.softmax")  # a measurement needs the kernel written, on any machine
+    check_baseline_over_kernel(key, fraction, SOFTMAX_BESIDE_COPY, softmax, case,
+                               f"x.clone() over your softmax, {case[1]} {case[0]}, timed as the speed tests time",
+                               partial_credit, "softmax")
+
+
 @timed_on_gpu
 def test_softmax_copy_fraction(sheet, student_of, partial_credit):
-    fraction = number(sheet, "softmax_copy_fraction")
-    if not 0 < fraction <= MOST_COPY_FRACTION:
-        raise WrongAnswer(f"softmax_copy_fraction: {fraction:g} is not a fraction of copy bandwidth (0 to about 1)")
-    softmax = student_of("kernels.softmax")  # a measurement needs the kernel written, on any machine
-    check_baseline_over_kernel("softmax_copy_fraction", fraction, SOFTMAX_BESIDE_COPY, softmax, SOFTMAX_CASE,
-                               f"x.clone() over your softmax, {SOFTMAX_CASE[1]} {SOFTMAX_CASE[0]}, timed as the speed "
-                               "tests time", partial_credit, "softmax")
+    check_copy_fraction(sheet, "softmax_copy_fraction", SOFTMAX_CASE, student_of, partial_credit)
+
+
+@timed_on_gpu
+def test_softmax_copy_fraction_small(sheet, student_of, partial_credit):
+    check_copy_fraction(sheet, "softmax_copy_fraction_small", SMALL_SOFTMAX_CASE, student_of, partial_credit)
 
 
 def test_softmax_small_reason(sheet):

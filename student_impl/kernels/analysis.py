@@ -9,6 +9,8 @@ states each question in full, with its unit, how close an answer must be and how
 ANSWERS = {
     # Clone's time over your softmax's time, float32 (8192, 4096), timed like the speed tests (0 to about 1).
     "softmax_copy_fraction": None,
+    # The same at float32 (256, 1024), 1 MiB.
+    "softmax_copy_fraction_small": None,
     # Why a copy and a softmax of float32 (256, 1024) fall short: "a", "b", "c" or "d" (see the handout).
     "softmax_small_reason": None,
     # FLOPs per byte of HBM traffic of one 128 x 128 program of a float16 4096^3 matmul, no reuse.
