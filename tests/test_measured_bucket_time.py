@@ -65,14 +65,20 @@ def link_timeline(rank: int, port: int, results) -> None:
     second_s = time.perf_counter() - started
     rooted = torch.full((2,), float(rank))
     dist.broadcast(rooted, src=1, group=group)
+    try:
+        dist.all_gather([torch.zeros(2), torch.zeros(2)], rooted, group=group)
+        refusal = "all_gather ran"
+    except NotImplementedError as error:
+        refusal = str(error)
     group.close()
-    results.put((rank, issued_s, first_s, second_s, big[0].item(), small[0].item(), rooted.tolist()))
+    results.put((rank, issued_s, first_s, second_s, big[0].item(), small[0].item(), rooted.tolist(), refusal))
     dist.destroy_process_group()
 
 
 def test_the_link_carries_one_collective_at_a_time_at_its_modelled_cost():
     """Issuing returns at once; the 1 MiB all-reduce finishes at its cost; the 16-byte one, issued while the link is
-    busy, waits for it and then takes its own latency. The values are the real sum and broadcast."""
+    busy, waits for it and then takes its own latency. The values are the real sum and broadcast; another collective
+    is refused by name."""
     with socket.socket() as probe:
         probe.bind(("127.0.0.1", 0))
         port = probe.getsockname()[1]
@@ -85,8 +91,9 @@ def test_the_link_carries_one_collective_at_a_time_at_its_modelled_cost():
     for process in processes:
         process.join(timeout=30)
     first_cost, second_cost = link.cost_s(2**20), link.cost_s(16)
-    for rank, issued_s, first_s, second_s, big, small, rooted in seen:
+    for rank, issued_s, first_s, second_s, big, small, rooted, refusal in seen:
         assert issued_s < 0.005, f"rank {rank}: issuing an async all-reduce blocked for {issued_s * 1e3:.1f} ms"
         assert first_cost <= first_s < first_cost + 0.015, (rank, first_s)
         assert first_cost + second_cost <= second_s < first_cost + second_cost + 0.015, (rank, second_s)
         assert (big, small, rooted) == (3.0, 3.0, [1.0, 1.0]), rank
+        assert refusal.startswith("the simulated link carries all_reduce and broadcast only"), refusal

@@ -12,7 +12,8 @@ same on any machine: parallel.analysis measures bucketed DDP's step time over th
 run the same measurement (`simulated_link_group()` after `dist.init_process_group`).
 
 It carries all_reduce and broadcast (a broadcast costs nothing: DDP broadcasts once, at construction, outside the
-timed steps). Any other collective raises.
+timed steps). Any other collective raises: NotImplementedError saying so, or for all_gather_into_tensor and
+reduce_scatter_tensor, torch's RuntimeError about a missing CPU backend.
 """
 
 from __future__ import annotations
@@ -69,6 +70,15 @@ class SimulatedLink(dist.ProcessGroup):
 
     def broadcast(self, tensors: list[torch.Tensor], opts=None):
         return self.inner.broadcast(tensors, opts if opts is not None else dist.BroadcastOptions())
+
+    def _refuse(self, *args, **kwargs):
+        raise NotImplementedError("the simulated link carries all_reduce and broadcast only: bucketed DDP issues "
+                                  "one all_reduce per bucket in a step (parallel.ddp_bucketed's contract) and "
+                                  "broadcasts once, when it is built")
+
+    # torch.distributed's list-based collectives call these methods of the group; without them they would fail with a
+    # message about a missing CPU backend, as the tensor forms (all_gather_into_tensor, reduce_scatter_tensor) do.
+    allgather = reduce_scatter = reduce = barrier = gather = scatter = alltoall = alltoall_base = send = recv = _refuse
 
     def close(self) -> None:
         """Ends the link's thread once the collectives issued so far are done."""
