@@ -1,5 +1,5 @@
 """parallel.analysis's bucket step times are compared with the grader's measurement of the student's own bucketed DDP,
-over a simulated link whose timing the first test checks.
+over a simulated link whose timing the last test checks.
 
 One sheet answers the step times of a DDP that issues every bucket's all-reduce when the backward has finished (the
 backward's 160 ms, then every bucket one after another on the link). Graded beside the reference, whose buckets

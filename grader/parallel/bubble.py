@@ -26,17 +26,19 @@ WARMUP_STEPS, TIMED_STEPS = 1, 2
 
 
 class Sleep(torch.autograd.Function):
-    """Identity whose forward takes FORWARD_S and whose backward takes BACKWARD_S."""
+    """Identity whose forward sleeps forward_s and whose backward sleeps backward_s: wall time that uses no core.
+    bucket_time's layers use it too, with a forward that does not sleep."""
 
     @staticmethod
-    def forward(ctx, x):
-        time.sleep(FORWARD_S)
+    def forward(ctx, x, forward_s: float, backward_s: float):
+        time.sleep(forward_s)
+        ctx.backward_s = backward_s
         return x.view_as(x)
 
     @staticmethod
     def backward(ctx, grad):
-        time.sleep(BACKWARD_S)
-        return grad
+        time.sleep(ctx.backward_s)
+        return grad, None, None
 
 
 class SleepStage(torch.nn.Module):
@@ -47,7 +49,7 @@ class SleepStage(torch.nn.Module):
         self.linear = torch.nn.Linear(WIDTH, WIDTH)
 
     def forward(self, x):
-        return Sleep.apply(self.linear(x))
+        return Sleep.apply(self.linear(x), FORWARD_S, BACKWARD_S)
 
 
 def step_seconds_on_rank(student, rank: int, world_size: int, cases: list[tuple[str, int]]) -> list[float]:

@@ -19,24 +19,12 @@ import time
 import torch
 import torch.distributed as dist
 
+from grader.parallel.bubble import Sleep
 from grader.parallel.link import simulated_link_group
 
 LAYERS, WIDTH, ROWS_PER_RANK = 8, 256, 4
 BACKWARD_S = 0.020
 WARMUP_STEPS, TIMED_STEPS = 1, 2
-
-
-class SleepInBackward(torch.autograd.Function):
-    """Identity whose backward takes BACKWARD_S."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.view_as(x)
-
-    @staticmethod
-    def backward(ctx, grad):
-        time.sleep(BACKWARD_S)
-        return grad
 
 
 class SleepLayer(torch.nn.Module):
@@ -45,7 +33,7 @@ class SleepLayer(torch.nn.Module):
         self.linear = torch.nn.Linear(WIDTH, WIDTH, bias=False)
 
     def forward(self, x):
-        return SleepInBackward.apply(self.linear(x))
+        return Sleep.apply(self.linear(x), 0.0, BACKWARD_S)
 
 
 def step_ms_on_rank(student, rank: int, world_size: int, bucket_sizes_mb: list[float]) -> list[float]:
