@@ -20,10 +20,12 @@ forward and backward grows with the heads and the length, and stays below the fo
 BACKWARD_CONFIGS instead (the sweep behind the reference's `_backward_config`) and writes
 benchmarks/results/sparse_dsa_backward_configs.md.
 
---atomic-bound times, at T = 32768 and each number of heads, the reference's forward and backward beside the same
-kernels with the backward's atomic adds of dK and dV made plain stores (`store_bound_module`): wrong sums, but the
-time the backward would take if adding the rows cost no more than writing them, the most any other way of adding
-them could save. Writes benchmarks/results/sparse_dsa_atomic_bound.md.
+--atomic-bound times, at T = 32768 and each number of heads, the reference's forward and backward beside two
+bounds made from its source (`bound_module`), both with wrong sums: the backward's atomic adds of dK and dV made plain
+stores, the time if adding the rows cost no more than writing them; and the adds masked off entirely, the time if
+the scatter of dK and dV cost nothing, the most any way of computing those two sums could save. Dense causal
+attention's time beside them gives the speed-up each bound would reach. Writes
+benchmarks/results/sparse_dsa_atomic_bound.md.
 """
 
 from __future__ import annotations
@@ -104,12 +106,17 @@ def sparse_inputs(seq: int, heads: int) -> tuple[torch.Tensor, ...]:
     return q, k, v, causal_topk(torch.rand(BATCH, seq, seq, generator=generator, device="cuda"), TOPK)
 
 
+def dense_inputs(q, k, v) -> list[torch.Tensor]:
+    """Dense attention's [batch, heads, seq, head_dim] inputs: q's heads, the shared keys and values per head."""
+    heads = q.shape[2]
+    return [q.detach().transpose(1, 2).contiguous().requires_grad_(True),
+            *(t.detach()[:, None].expand(-1, heads, -1, -1).contiguous().requires_grad_(True) for t in (k, v))]
+
+
 def attention_rows(seq: int, heads: int) -> list[tuple]:
     """(pass, sparse ms, dense reference ms, torch flash ms) for forward and for forward with backward."""
     q, k, v, indices = sparse_inputs(seq, heads)
-    # Dense attention on [batch, heads, seq, head_dim] with the shared keys and values repeated per head.
-    dense = [q.detach().transpose(1, 2).contiguous().requires_grad_(True),
-             *(t.detach()[:, None].expand(-1, heads, -1, -1).contiguous().requires_grad_(True) for t in (k, v))]
+    dense = dense_inputs(q, k, v)
     rows = []
     for backward in (False, True):
         sparse_ms = milliseconds(forward_and_backward(lambda *t: sparse_attention(*t, indices), [q, k, v], backward))
@@ -148,42 +155,62 @@ def write_backward_configs() -> None:
     ]))
 
 
-def store_bound_module(folder: Path) -> ModuleType:
-    """The reference's sparse_dsa with each atomic add of its backward made a plain store to the same rows, imported
-    from a file in `folder` (triton.jit reads a kernel's source from its file)."""
-    source, count = ATOMIC_ADD.subn(r"tl.store(\1)", inspect.getsource(dsa_module))
-    if count != 2 or "atomic_add(" in source:
+def bound_module(folder: Path, name: str, rewrite) -> ModuleType:
+    """The reference's sparse_dsa with each atomic add of its backward, `tl.atomic_add(<arguments>, sem=...)`, replaced
+    by `rewrite(<arguments>)`, imported from a file in `folder` (triton.jit reads a kernel's source from its file)."""
+    original = inspect.getsource(dsa_module)
+    source, count = ATOMIC_ADD.subn(lambda match: rewrite(match.group(1)), original)
+    if count != 2 or original.count("atomic_add(") != 2:
         raise RuntimeError(f"expected the backward's two atomic adds of dK and dV in {dsa_module.__file__}, found "
                            f"{count}: update ATOMIC_ADD")
-    path = folder / "sparse_dsa_store_bound.py"
+    path = folder / f"sparse_dsa_{name}.py"
     path.write_text(source)
-    spec = importlib.util.spec_from_file_location("sparse_dsa_store_bound", path)
+    spec = importlib.util.spec_from_file_location(f"sparse_dsa_{name}", path)
     module = importlib.util.module_from_spec(spec)
     sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     return module
 
 
+def plain_store(arguments: str) -> str:
+    return f"tl.store({arguments})"
+
+
+def no_write(arguments: str) -> str:
+    """The add with its mask false on every row: a row is added only where its key is valid, so at least 0, and this
+    adds `key < 0`, which the compiler cannot see through (the keys are loaded)."""
+    if arguments.count("mask=row_mask") != 1:
+        raise RuntimeError(f"expected the atomic add's `mask=row_mask` in {arguments!r}: update no_write")
+    never = "mask=row_mask & (keys[:, None] < 0)"
+    return f'tl.atomic_add({arguments.replace("mask=row_mask", never)}, sem="relaxed")'
+
+
 def write_atomic_bound() -> None:
     seq = LENGTHS[-1]
     lines = [
-        "# DeepSeek sparse attention: what the backward's atomics cost",
+        "# DeepSeek sparse attention: what the backward's scatter of dK and dV costs",
         "",
         f"{environment()}. Forward and backward, batch {BATCH}, T {seq}, head size {HEAD_DIM}, topk "
-        f"{TOPK}, {DTYPE}; the bound writes dK and dV rows with plain stores instead of float32 atomic adds (wrong "
-        "sums, the same work otherwise). Written by `python benchmarks/sparse_dsa.py --atomic-bound`.",
+        f"{TOPK}, {DTYPE}; milliseconds. Stores: dK and dV rows written with plain stores instead of float32 atomic "
+        "adds. No writes: the adds masked off. Both bounds give wrong sums and do the same work otherwise. Dense: the "
+        "FlashAttention-2 reference, causal, keys and values repeated per head. Written by "
+        "`python benchmarks/sparse_dsa.py --atomic-bound`.",
         "",
-        "| heads | reference ms | stores instead of atomics ms | bound / reference |",
-        "|---|---|---|---|",
+        "| heads | reference | stores | no writes | dense | dense / reference | dense / stores | dense / no writes |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     with tempfile.TemporaryDirectory() as folder:
-        bound = store_bound_module(Path(folder))
+        bounds = [bound_module(Path(folder), name, rewrite)
+                  for name, rewrite in (("store_bound", plain_store), ("no_write_bound", no_write))]
         for heads in HEAD_COUNTS:
             q, k, v, indices = sparse_inputs(seq, heads)
-            reference_ms, bound_ms = (milliseconds(forward_and_backward(
+            sparse_ms = [milliseconds(forward_and_backward(
                 lambda *t, attention=attention: attention(*t, indices), [q, k, v], backward=True))
-                for attention in (sparse_attention, bound.sparse_attention))
-            lines.append(f"| {heads} | {reference_ms:.2f} | {bound_ms:.2f} | {bound_ms / reference_ms:.2f} |")
+                for attention in (sparse_attention, *(bound.sparse_attention for bound in bounds))]
+            dense_ms = milliseconds(forward_and_backward(lambda *t: flash_attention(*t, is_causal=True),
+                                                         dense_inputs(q, k, v), backward=True))
+            lines.append(f"| {heads} | " + " | ".join(f"{ms:.2f}" for ms in (*sparse_ms, dense_ms)) + " | "
+                         + " | ".join(f"{dense_ms / ms:.1f}" for ms in sparse_ms) + " |")
             print(lines[-1], flush=True)
             torch.cuda.empty_cache()
     ATOMIC_BOUND_RESULTS.write_text("\n".join(lines) + "\n")
@@ -195,7 +222,7 @@ def main() -> None:
     parser.add_argument("--backward-configs", action="store_true",
                         help="time the backward's configurations instead (see the module's docstring)")
     parser.add_argument("--atomic-bound", action="store_true",
-                        help="time the backward with its atomic adds made stores instead (see the module's docstring)")
+                        help="time the backward with its atomic adds made stores, or masked off (see the docstring)")
     arguments = parser.parse_args()
     if arguments.backward_configs:
         write_backward_configs()

@@ -53,7 +53,7 @@ def test_speed_stability_starts_the_reference_in_the_graders_sandbox():
         sandbox_isolation.close()
 
 
-STORE_BOUND_CHECK = """
+BOUNDS_CHECK = """
 import tempfile
 from pathlib import Path
 
@@ -67,19 +67,22 @@ q = torch.randn(1, 8, 2, 16, generator=generator, requires_grad=True)
 k, v = (torch.randn(1, 8, 16, generator=generator, requires_grad=True) for _ in range(2))
 indices = torch.tensor([[[0, -1]] + [[0, t] for t in range(1, 8)]])  # key 0 is every query's: its dK is a sum
 with tempfile.TemporaryDirectory() as folder:
-    bound = sparse_dsa.store_bound_module(Path(folder))
+    store = sparse_dsa.bound_module(Path(folder), "store_bound", sparse_dsa.plain_store)
+    no_write = sparse_dsa.bound_module(Path(folder), "no_write_bound", sparse_dsa.no_write)
     grads = [torch.autograd.grad(attention(q, k, v, indices).sum(), (q, k, v))
-             for attention in (sparse_dsa.sparse_attention, bound.sparse_attention)]
-assert torch.equal(grads[0][0], grads[1][0]), "dQ differs: the bound changed more than the atomic adds"
-assert not torch.allclose(grads[0][1][0, 0], grads[1][1][0, 0]), "key 0's dK is still a sum"
-assert torch.allclose(grads[0][1][0, 1:], grads[1][1][0, 1:]), "a key one query selects has another dK"
-print("bound ok")
+             for attention in (sparse_dsa.sparse_attention, store.sparse_attention, no_write.sparse_attention)]
+for bound in grads[1:]:
+    assert torch.equal(grads[0][0], bound[0]), "dQ differs: a bound changed more than the atomic adds"
+assert not torch.allclose(grads[0][1][0, 0], grads[1][1][0, 0]), "stores: key 0's dK is still a sum"
+assert torch.allclose(grads[0][1][0, 1:], grads[1][1][0, 1:]), "stores: a key one query selects has another dK"
+assert not grads[2][1].any() and not grads[2][2].any(), "no writes: some dK or dV row was written"
+print("bounds ok")
 """
 
 
-def test_the_atomic_bound_replaces_only_the_backwards_atomic_adds():
-    """benchmarks/sparse_dsa.py --atomic-bound's kernels, in the interpreter: the same dQ, and dK rows that keep one
-    query's contribution where the reference adds several."""
-    done = subprocess.run([sys.executable, "-c", STORE_BOUND_CHECK], cwd=ROOT, capture_output=True, text=True,
+def test_the_atomic_bounds_change_only_the_backwards_atomic_adds():
+    """benchmarks/sparse_dsa.py --atomic-bound's kernels, in the interpreter: the same dQ; with stores, dK rows that
+    keep one query's contribution where the reference adds several; with the adds masked off, no dK or dV at all."""
+    done = subprocess.run([sys.executable, "-c", BOUNDS_CHECK], cwd=ROOT, capture_output=True, text=True,
                           timeout=300, env={**os.environ, "TRITON_INTERPRET": "1"})
-    assert done.stdout.strip() == "bound ok", done.stdout + done.stderr[-3000:]
+    assert done.stdout.strip() == "bounds ok", done.stdout + done.stderr[-3000:]
