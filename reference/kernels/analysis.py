@@ -10,7 +10,7 @@ ANSWERS = {
     # Clone's time over your softmax's time, float32 (8192, 4096), timed like the speed tests (0 to about 1).
     "softmax_copy_fraction": 0.99,  # H200: benchmarks/results/references.md
     # The same at float32 (256, 1024), 1 MiB.
-    "softmax_copy_fraction_small": 0.31,  # H200, estimated from the 14 us of 5116fd9
+    "softmax_copy_fraction_small": 0.78,  # H100: the grader measured 0.776 (its worker, in the sandbox)
     # Why a copy and a softmax of float32 (256, 1024) fall short: "a", "b", "c" or "d" (see the handout).
     "softmax_small_reason": "b",
     # FLOPs per byte of HBM traffic of one 128 x 128 program of a float16 4096^3 matmul, no reuse.
