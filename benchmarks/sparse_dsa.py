@@ -196,8 +196,9 @@ def write_atomic_bound() -> None:
         "FlashAttention-2 reference, causal, keys and values repeated per head. Written by "
         "`python benchmarks/sparse_dsa.py --atomic-bound`.",
         "",
-        f"The scatter adds 2 topk head_dim float32 values per query while the heads fit one program (64 here): "
-        f"{2 * TOPK * HEAD_DIM * 4 * seq / 2**30:.0f} GiB at T {seq}, twice that at 128 heads.",
+        f"The scatter adds 2 topk head_dim float32 values per query and program of heads (up to "
+        f"{dsa_module._heads_block(max(HEAD_COUNTS))} heads a program): "
+        f"{2 * TOPK * HEAD_DIM * 4 * seq / 2**30:.0f} GiB at T {seq} for each program.",
         "",
         "| heads | reference | stores | no writes | dense | dense / reference | dense / stores | dense / no writes |",
         "|---|---|---|---|---|---|---|---|",
