@@ -21,8 +21,9 @@ from grader.checks.outcomes import WrongAnswer
 
 # The speed test's second case: (batch, heads, seq, head_dim, window) in bfloat16.
 WINDOW_CASE = (BY_ID["attention.sliding_window"].speed.shapes[1], "bfloat16")
-# A kernel that skips work cannot gain much more than the work it skips.
-MOST_OVER_WORK_RATIO = 1.25
+# A kernel that skips work cannot gain much more than the work it skips; doing each pair faster than torch's
+# kernel can beat that ratio a little (the reference, on the H200: 5.02 against 4.27, 1.18 times).
+MOST_OVER_WORK_RATIO = 1.5
 # The crossover search: linear attention against torch's causal flash attention, forward and backward, bfloat16, at
 # batch 4, 16 heads, head size 128 (the speed test's first shape) and these lengths; BEYOND_SEARCH if at none of them.
 CROSSOVER_SEQS = (512, 1024, 2048, 4096, 8192, 16384)
