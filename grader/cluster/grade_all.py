@@ -17,7 +17,7 @@ from pathlib import Path
 from assignment.registry import PROBLEMS, Problem
 from grader.cluster.grading_job import GradingRequest, run_grading
 from grader.cluster.jobs import ClusterOptions, Outcome, make_executor, new_folder, outcome, wait
-from grader.cluster.snapshot import snapshot, tree_hash
+from grader.sandbox.submission import BadSubmission, read
 
 
 @dataclass
@@ -39,54 +39,77 @@ class Submission:
         return self.out / "not_graded.txt"
 
     def up_to_date(self) -> bool:
-        return (self.results.exists() and self.hash_file.exists()
-                and self.hash_file.read_text() == tree_hash(self.source))
+        if not (self.results.exists() and self.hash_file.exists()):
+            return False
+        try:
+            return self.hash_file.read_text() == read(self.source).digest()
+        except BadSubmission:
+            return False  # graded again, to be refused with its reason
 
 
 def submissions_in(directory: Path, out: Path) -> list[Submission]:
+    """A submission per folder, and per link: a link is never followed, and is refused when graded (not graded, with
+    the reason), so that it shows in the class table."""
     return [
         Submission(path.name, path, out / path.name)
         for path in sorted(directory.iterdir())
-        if path.is_dir() and not path.name.startswith(".")
+        if (path.is_symlink() or path.is_dir()) and not path.name.startswith(".")
     ]
 
 
 def record(submission: Submission, graded_hash: str, result: Outcome, results_path: Path) -> None:
+    if result.graded:
+        forget_results(submission)
+        shutil.copy(results_path, submission.results)
+        submission.hash_file.write_text(graded_hash)
+    else:
+        record_not_graded(submission, result.reason)
+
+
+def record_not_graded(submission: Submission, reason: str) -> None:
+    forget_results(submission)
+    submission.not_graded.write_text(reason + "\n")
+
+
+def forget_results(submission: Submission) -> None:
     submission.out.mkdir(parents=True, exist_ok=True)
     submission.results.unlink(missing_ok=True)
     submission.hash_file.unlink(missing_ok=True)
     submission.not_graded.unlink(missing_ok=True)
-    if result.graded:
-        shutil.copy(results_path, submission.results)
-        submission.hash_file.write_text(graded_hash)
-    else:
-        submission.not_graded.write_text(result.reason + "\n")
 
 
 def grade(submissions: list[Submission], reference: str, options: ClusterOptions, out: Path, profile: str,
           pytest_args: tuple[str, ...], timeout_scale: float, isolation: str, allow_unisolated: bool,
           report) -> None:
-    """One array job over the submissions; node failures and preemptions are resubmitted, a bounded number of times."""
+    """One array job over the submissions; node failures and preemptions are resubmitted, a bounded number of times.
+    A submission the grader won't read (a link, say) is not graded, with the reason, and the others go on."""
     for round_number in range(1 + options.max_resubmissions):
-        if not submissions:
-            return
-        requests, hashes = [], []
+        submitted, requests, hashes = [], [], []
         for submission in submissions:
+            try:
+                tree = read(submission.source)
+            except BadSubmission as error:
+                record_not_graded(submission, str(error))
+                report(f"{submission.student}: not graded: {error}")
+                continue
             run_dir = new_folder(submission.out / "runs", "run")
-            hashes.append(tree_hash(submission.source))
+            submitted.append(submission)
+            hashes.append(tree.digest())
             # Each job sees its own snapshot (read-only inside the sandbox) and writes only its own run folder.
             requests.append(GradingRequest.in_folder(
-                run_dir, snapshot(submission.source, run_dir / submission.source.name), reference=reference,
-                profile=profile, pytest_args=pytest_args, timeout_scale=timeout_scale, isolation=isolation,
+                run_dir, tree.write_to(run_dir / submission.source.name), reference=reference, profile=profile,
+                pytest_args=pytest_args, timeout_scale=timeout_scale, isolation=isolation,
                 allow_unisolated=allow_unisolated,
             ))
+        if not submitted:
+            return
         executor = make_executor(options, new_folder(out / ".jobs", "array"))
         jobs = executor.map_array(run_grading, requests)
         report(f"submitted {len(jobs)} submissions as one array job ({options.executor}), "
                f"at most {options.parallelism} at once")
         wait(jobs, options, report=report)
         again = []
-        for submission, job, request, graded_hash in zip(submissions, jobs, requests, hashes):
+        for submission, job, request, graded_hash in zip(submitted, jobs, requests, hashes):
             result = outcome(job, request)
             if result.resubmittable and round_number < options.max_resubmissions:
                 report(f"{submission.student}: {result.reason}: resubmitting")

@@ -1,32 +1,20 @@
-"""Frozen copies of submissions, identified by a hash of their content."""
+"""Frozen copies of submissions. What a copy holds and what it refuses are grader.sandbox.submission's, the only code
+that reads a submission; the students' copy leaves out the same names."""
 
 from __future__ import annotations
 
-import hashlib
 import shutil
 from pathlib import Path
 
-IGNORED_NAMES = ("__pycache__", ".hypothesis", ".pytest_cache", ".git")
-IGNORED = shutil.ignore_patterns(*IGNORED_NAMES, "*.pyc")
+from grader.sandbox.submission import IGNORED, BadSubmission, read
 
-
-def copied(relative: Path) -> bool:
-    return not any(part in IGNORED_NAMES for part in relative.parts) and relative.suffix != ".pyc"
-
-
-def tree_hash(directory: Path) -> str:
-    """SHA-256 over the relative paths and contents of the files a snapshot would copy."""
-    digest = hashlib.sha256()
-    for path in sorted(p for p in directory.rglob("*") if p.is_file()):
-        relative = path.relative_to(directory)
-        if copied(relative):
-            digest.update(str(relative).encode() + b"\0" + path.read_bytes() + b"\0")
-    return digest.hexdigest()
+__all__ = ["IGNORED", "BadSubmission", "snapshot"]
 
 
 def snapshot(source: Path, destination: Path) -> Path:
-    """Copy a submission so that edits made after submitting cannot leak into its grading."""
+    """Copy a submission so that edits made after submitting cannot leak into its grading. Raises BadSubmission,
+    before anything is copied, for a submission the grader won't read."""
+    tree = read(source)
     if destination.exists():
         shutil.rmtree(destination)
-    shutil.copytree(source, destination, ignore=IGNORED, symlinks=False)
-    return destination
+    return tree.write_to(destination)

@@ -8,7 +8,7 @@ from pathlib import Path
 
 from grader.cluster.grading_job import GradingRequest, run_grading
 from grader.cluster.jobs import ClusterOptions, Outcome, make_executor, new_folder, outcome, wait
-from grader.cluster.snapshot import snapshot
+from grader.sandbox.submission import BadSubmission, read
 
 
 def tail_printer(path_of, report):
@@ -44,12 +44,18 @@ def submit(
     allow_unisolated: bool = False,
     report=print,
 ) -> Outcome:
-    """Snapshot `impl`, grade it in a job (resubmitting after node failures or preemption), save its results."""
+    """Read `impl` once, grade it in a job (resubmitting after node failures or preemption, each time from what was
+    read), save its results. A submission the grader won't read (a link, say) is not graded, and no job submitted."""
+    try:
+        submission = read(impl)
+    except BadSubmission as error:
+        report(f"not graded: {error}")
+        return Outcome(False, "NOT_SUBMITTED", str(error))
     attempt = Outcome(False, "NOT_SUBMITTED", "not submitted")
     for _ in range(1 + options.max_resubmissions):
         run_dir = new_folder(work_dir, impl.resolve().name)
         request = GradingRequest.in_folder(
-            run_dir, snapshot(impl, run_dir / impl.resolve().name), reference=reference, profile=profile,
+            run_dir, submission.write_to(run_dir / impl.resolve().name), reference=reference, profile=profile,
             pytest_args=pytest_args, timeout_scale=timeout_scale, isolation=isolation,
             allow_unisolated=allow_unisolated,
         )

@@ -27,7 +27,7 @@ from pathlib import Path
 from assignment.registry import PROBLEMS, problem_ids
 from grader.cluster.grading_job import GradingRequest, run_grading
 from grader.cluster.jobs import GRADED_EXIT_STATUSES
-from grader.cluster.snapshot import IGNORED, copied
+from grader.sandbox import submission
 from grader.sandbox.policy import SECRET_SEED_FILE_VARIABLE
 from grader.session import seal
 
@@ -75,7 +75,7 @@ def build(out: Path, profile: str = "grading", problems: list[str] | None = None
             files = [path] if path.is_file() else sorted(p for p in path.rglob("*") if p.is_file())
             for file in files:
                 relative = file.relative_to(REPOSITORY)
-                if copied(relative) and not any(piece.endswith(".egg-info") for piece in relative.parts):
+                if submission.copied(relative) and not any(piece.endswith(".egg-info") for piece in relative.parts):
                     archive.write(file, str(relative))
         executable(archive, "setup.sh", SETUP_SH)
         executable(archive, "run_autograder", RUN_AUTOGRADER)
@@ -96,13 +96,19 @@ def executable(archive: zipfile.ZipFile, name: str, text: str) -> None:
 
 def implementation_in(upload: Path) -> Path | None:
     """The implementation package in an upload: its student_impl/ (at the top or one folder down, as in a zipped
-    repository), or the upload itself when it holds family folders (kernels/, attention/, moe/, parallel/)."""
-    for candidate in (upload / "student_impl", *sorted(upload.glob("*/student_impl"))):
-        if candidate.is_dir():
+    repository), or the upload itself when it holds family folders (kernels/, attention/, moe/, parallel/). No link
+    is followed: one where the package would be is taken as the package, for the check to refuse by name."""
+    folders = sorted(path for path in upload.iterdir() if path.is_dir() and not path.is_symlink())
+    for candidate in (upload / "student_impl", *(folder / "student_impl" for folder in folders)):
+        if folder_or_link(candidate):
             return candidate
-    if any((upload / family).is_dir() for family in FAMILIES):
+    if any(folder_or_link(upload / family) for family in FAMILIES):
         return upload
     return None
+
+
+def folder_or_link(path: Path) -> bool:
+    return path.is_symlink() or path.is_dir()
 
 
 def failure_results(why: str) -> dict:
@@ -124,10 +130,14 @@ def grade(root: Path) -> dict:
         families = ", ".join(f"{family}/" for family in FAMILIES)
         return failure_results(f"no implementation in the upload: upload your student_impl/ folder (or its "
                                f"{families} folders)")
+    try:
+        upload = submission.read(impl)
+    except submission.BadSubmission as error:
+        return failure_results(str(error))
     shutil.rmtree(work, ignore_errors=True)
     package = work / "impl"
-    shutil.copytree(source / "student_impl", package, ignore=IGNORED)
-    shutil.copytree(impl, package, ignore=IGNORED, dirs_exist_ok=True, symlinks=False)
+    shutil.copytree(source / "student_impl", package, ignore=submission.IGNORED)
+    upload.write_to(package)
     hide_from_others(source / "reference")
     environment = {}
     if (source / SEED_FILE).exists():
