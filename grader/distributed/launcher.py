@@ -31,11 +31,12 @@ from pathlib import Path
 
 import torch
 
+from grader.checks.inert import escaped, inert
 from grader.checks.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
 from grader.distributed.host import group_sandbox, rank_data_fds
 from grader.sandbox.client import exit_description, kill_group
 from grader.sandbox.policy import SECRET_VARIABLES, without_secrets
-from grader.sandbox.wire import decode, encode
+from grader.sandbox.wire import ReplyRefused, decode_reply, encode, read_reply_file, read_tail
 from grader.session.packages import PackageSpec
 
 POLL_S = 0.05
@@ -112,11 +113,11 @@ def host_command(run: Path) -> list[str]:
 def last_progress(run: Path, rank: int) -> tuple[int, str]:
     """(sequence number, operation) of the last collective the rank entered; (0, "") if none."""
     try:
-        lines = (run / "shared" / f"rank{rank}.progress").read_text().splitlines()
+        lines = read_tail(run / "shared" / f"rank{rank}.progress").splitlines()
     except OSError:
         return 0, ""
     seq, _, op = lines[-1].partition(" ") if lines else ("0", "", "")
-    return int(seq), op
+    return (int(seq), inert(op)) if seq.isdigit() else (0, "")  # a progress file rank code damaged tells nothing
 
 
 def hang_diagnosis(run: Path, world_size: int, finished: set[int]) -> str:
@@ -140,16 +141,22 @@ def hang_diagnosis(run: Path, world_size: int, finished: set[int]) -> str:
     return message
 
 
-def read_reply(path: Path) -> dict | None:
-    """A rank's result file as a reply; a file the rank's code damaged reads as that rank's error."""
+def read_reply(path: Path) -> dict:
+    """A rank's result file as a reply; a file the rank's code damaged, or one past the limits on a reply
+    (grader.sandbox.wire), reads as that rank's error."""
     try:
-        reply = decode(path.read_bytes())
-        if isinstance(reply, dict) and reply.get("status") in ("ok", "error"):
-            return reply
-    except Exception:  # noqa: BLE001 - written inside the sandbox: anything may be there
-        pass
-    return {"status": "error", "kind": "exception", "type_names": ["CorruptResult"], "traceback": "",
-            "message": f"{path.name} is not a result the grader's rank program wrote"}
+        reply = decode_reply(read_reply_file(path))
+    except ReplyRefused as refusal:
+        return rank_error("RefusedResult", f"{path.name} holds {refusal} (refused)")
+    except OSError as error:
+        return rank_error("CorruptResult", f"{path.name} could not be read ({error.strerror})")
+    if isinstance(reply, dict) and reply.get("status") in ("ok", "error"):
+        return reply
+    return rank_error("CorruptResult", f"{path.name} is not a result the grader's rank program wrote")
+
+
+def rank_error(type_name: str, message: str) -> dict:
+    return {"status": "error", "kind": "exception", "type_names": [type_name], "traceback": "", "message": message}
 
 
 def exit_codes_of(run: Path, world_size: int) -> dict[int, int | None]:
@@ -157,7 +164,7 @@ def exit_codes_of(run: Path, world_size: int) -> dict[int, int | None]:
     codes = {}
     for rank in range(world_size):
         try:
-            codes[rank] = int((run / "shared" / f"rank{rank}.exit").read_text())
+            codes[rank] = int(read_tail(run / "shared" / f"rank{rank}.exit"))
         except (OSError, ValueError):
             codes[rank] = None
     return codes
@@ -186,12 +193,13 @@ def collect(run: Path, job: RankJob, exit_codes: dict[int, int | None], timed_ou
             progress = {last_progress(run, r)[0] for r in range(job.world_size)}
             finished = {r for r, other in replies.items() if other["status"] == "ok"}
             mismatch = f"\nthe ranks disagree on collectives: {hang_diagnosis(run, job.world_size, finished)}"
+            raised = inert(reply["message"])
             raise StudentError(
-                f"rank {rank} of {job.world_size} raised {reply['message']}"
+                f"rank {rank} of {job.world_size} raised {raised}"
                 + (mismatch if len(progress) > 1 else "")
-                + f"\n{reply['traceback']}",
-                tuple(reply["type_names"]),
-                reply["message"],
+                + f"\n{inert(reply['traceback'])}",
+                tuple(inert(name) for name in reply["type_names"]),
+                raised,
             )
     if timed_out:
         raise StudentTimedOut(
@@ -203,16 +211,26 @@ def collect(run: Path, job: RankJob, exit_codes: dict[int, int | None], timed_ou
     return [replies[r]["value"] for r in range(job.world_size)]
 
 
+def log_text(path: Path) -> str:
+    """The end of a log written inside the sandbox, escaped (grader.checks.inert) before it is split into lines, so
+    that only newlines end a line."""
+    try:
+        return escaped(read_tail(path))
+    except OSError:  # not written, or not a regular file: nothing is read through a link
+        return ""
+
+
 def log_tail(path: Path, lines: int = 15) -> str:
-    return "\n".join(path.read_text(errors="replace").splitlines()[-lines:]) if path.exists() else ""
+    return inert("\n".join(log_text(path).splitlines()[-lines:]))
 
 
 def last_words(path: Path, lines: int = 15) -> str:
     """What a dead rank printed last; for a fatal error, the head of Python's dump of its stack, which lists the
     innermost call first (the frames below it are the grader's own start of the rank)."""
-    text = path.read_text(errors="replace") if path.exists() else ""
+    text = log_text(path)
     fatal = text.rfind("Fatal Python error")
-    return log_tail(path, lines) if fatal < 0 else "\n".join(text[fatal:].splitlines()[:lines])
+    shown = text.splitlines()[-lines:] if fatal < 0 else text[fatal:].splitlines()[:lines]
+    return inert("\n".join(shown))
 
 
 def rank_death(run: Path, rank: int, world_size: int, exit_code: int | None) -> str:

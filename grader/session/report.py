@@ -1,4 +1,8 @@
-"""The score table printed at the end of `pytest grader`, and the results file in Gradescope's format."""
+"""The score table printed at the end of `pytest grader`, and the results file in Gradescope's format.
+
+Every message they show passes through `shown`: student text is made inert where it enters the grader's messages, and
+again here, whatever way it came (grader.checks.inert).
+"""
 
 from __future__ import annotations
 
@@ -6,6 +10,7 @@ import platform
 
 import torch
 
+from grader.checks.inert import SHOWN_TEXT_CHARS, inert
 from grader.session.scoring import ProblemScore, TestResult, by_problem
 
 REASON_WIDTH = 90
@@ -13,6 +18,11 @@ REASON_WIDTH = 90
 
 def points(value: float) -> str:
     return f"{value:g}"
+
+
+def shown(text: str) -> str:
+    """A message as the summary, the score table and the results file show it: inert, at most SHOWN_TEXT_CHARS."""
+    return inert(text, SHOWN_TEXT_CHARS)
 
 
 def isolation_line(level: str, note: str = "") -> str:
@@ -25,7 +35,7 @@ def failure_summary(failed: list[TestResult]) -> list[str]:
     lines = []
     for score in by_problem(failed):
         first, *others = score.results
-        lines += [f"{score.problem.id}: {first.nodeid}", *("    " + line for line in first.detail.splitlines())]
+        lines += [f"{score.problem.id}: {first.nodeid}", *("    " + line for line in shown(first.detail).splitlines())]
         for result in others:
             lines.append(f"{score.problem.id}: {result.nodeid}  {result.status}: {one_line(result.message)}")
         lines.append("")
@@ -35,6 +45,7 @@ def failure_summary(failed: list[TestResult]) -> list[str]:
 
 
 def one_line(text: str, width: int = REASON_WIDTH) -> str:
+    text = shown(text)
     first = text.strip().splitlines()[0] if text.strip() else ""
     return first if len(first) <= width else first[: width - 3] + "..."
 
@@ -100,13 +111,13 @@ def results_json(results: list[TestResult], scores: list[ProblemScore], executio
                 "score": result.score,
                 "max_score": result.max_score,
                 "output": (result.status if result.message in ("", result.status)
-                           else f"{result.status}: {result.message}"),
+                           else f"{result.status}: {shown(result.message)}"),
                 "visibility": "visible",
             }
             if result.status != "skipped":
                 entry["status"] = "passed" if result.status == "passed" else "failed"
             else:
-                entry["output"] = f"skipped: {result.message} ({points(result.share)} points not graded here)"
+                entry["output"] = f"skipped: {shown(result.message)} ({points(result.share)} points not graded here)"
             tests.append(entry)
     return {
         "score": sum(s.score for s in scores),
