@@ -21,7 +21,8 @@ from assignment.registry import Problem, problem_for_test_module
 from grader import expectations
 from grader.checks import answers, profiles, stubs
 from grader.checks.outcomes import NotImplementedByStudent
-from grader.cluster.snapshot import snapshot
+from grader.cluster import site
+from grader.cluster.snapshot import BadSubmission, snapshot
 from grader.distributed.launcher import RankJob, launcher_for
 from grader.sandbox import isolation, policy
 from grader.sandbox.client import Sandbox
@@ -30,7 +31,7 @@ from grader.session.context import Context, current, secret_seed, set_current, t
 from grader.session.outer_timeout import pytest_timeout_set_timer  # pytest-timeout's hook, owned here
 from grader.session.packages import PackageSpec, load_problem_module, resolve
 from grader.session.progress import Progress
-from grader.session.report import failure_summary, isolation_line, results_json, score_table
+from grader.session.report import failure_summary, isolation_line, results_json, score_table, shown
 from grader.session.scoring import TestResult, by_problem, classify
 
 RESULTS = pytest.StashKey[dict]()
@@ -112,6 +113,9 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "bwrap, uid or none (env GRADER_ISOLATION)")
     group.addoption("--refuse-unisolated", action="store_true",
                     help="stop with a usage error where no sandbox (bwrap or uid) can be had: cluster grading jobs")
+    group.addoption("--allow-unisolated", action="store_true",
+                    help="grade the grading profile even where no sandbox (bwrap or uid) can be had, which lets "
+                         "student code read the reference and forge results (refused without this)")
     group.addoption("--jobs", type=int, default=int(os.environ.get("GRADER_JOBS", "1")),
                     help="grade the selected problems in this many concurrent processes, whole problems each (e.g. "
                          "4 on a GPU host with 16 cores; default 1: one after another; env GRADER_JOBS)")
@@ -135,6 +139,7 @@ def pytest_configure(config: pytest.Config) -> None:
     torch.set_num_threads(1)
     profile = config.getoption("--profile")
     profiles.load(profile)
+    secret_files = secret_paths()  # before the key and the seed leave the environment
     config.stash[RESULTS_KEY] = seal.take_key()
     if profile == "grading":
         try:
@@ -171,15 +176,22 @@ def pytest_configure(config: pytest.Config) -> None:
         level, note = isolation.choose(config.getoption("--isolation"))
     except (RuntimeError, ValueError) as error:
         raise pytest.UsageError(str(error)) from None
-    if level == "none" and config.getoption("--refuse-unisolated"):
-        raise pytest.UsageError(f"refusing to grade without a sandbox: {note}")
+    unisolated_refused = config.getoption("--refuse-unisolated") or (
+        profile == "grading" and not config.getoption("--allow-unisolated"))
+    if level == "none" and unisolated_refused:
+        raise pytest.UsageError(f"refusing to grade without a sandbox: {note}" + (
+            "; --allow-unisolated grades the grading profile all the same" if profile == "grading" else ""))
     device = backend.device()
     on_gpu = device.type == "cuda"
     memory_cap = None if on_gpu else isolation.physical_memory()
     sandbox = isolation.Isolation(level, gpu=on_gpu, address_space_bytes=memory_cap)
-    if level == "uid" and not isolation.unreadable_by_sandbox_user(reference.path):
-        raise pytest.UsageError(f"--isolation uid: the user {isolation.SANDBOX_USER!r} could read the reference at "
-                                f"{reference.path}; make a directory on its path private (chmod o-rx)")
+    if reference.path.exists():
+        secret_files["the reference"] = reference.path
+    exposed = [f"{what} ({path})" for what, path in secret_files.items() if level != "none" and sandbox.exposes(path)]
+    if exposed:
+        remedy = ("make a directory on its path private (chmod o-rx)" if level == "uid" else
+                  "keep it out of the system folders and the Python's (see the README's Isolation section)")
+        raise pytest.UsageError(f"--isolation {level}: student code could read {', '.join(exposed)}; {remedy}")
     set_current(Context(impl=impl, reference=reference, device=device, isolation=sandbox,
                         isolation_note=note, impl_copy=private_copy(impl, sandbox), world_sizes=world_sizes))
     config.stash[RESULTS] = {}
@@ -192,6 +204,15 @@ def pytest_configure(config: pytest.Config) -> None:
         # full (see grader.session.report.failure_summary).
         config.option.tbstyle = "no"
         config.option.reportchars = config.option.reportchars.replace("f", "").replace("F", "")
+
+
+def secret_paths() -> dict[str, Path]:
+    """The files no student process may read, by what they are: the results key, the grading seed, the cluster's site
+    file (which names the reference and the seed)."""
+    named = {"the results key": os.environ.get(policy.RESULTS_KEY_FILE_VARIABLE),
+             "the grading seed": os.environ.get(policy.SECRET_SEED_FILE_VARIABLE),
+             "the site file": str(site.site_file())}
+    return {what: Path(path) for what, path in named.items() if path and Path(path).exists()}
 
 
 def expectations_store(config: pytest.Config, profile: str) -> expectations.Store | None:
@@ -231,12 +252,16 @@ def selected_problems(config: pytest.Config) -> set[str] | None:
 
 def private_copy(impl: PackageSpec, sandbox: isolation.Isolation) -> PackageSpec | None:
     """The package the sandboxes see: a copy taken now, so that nothing changes it while it is graded (under bwrap
-    it is also mounted read-only); removed when the session ends."""
+    it is also mounted read-only); removed when the session ends. A package holding anything but regular files and
+    folders (a link to the reference, say) is not graded at all."""
     folder = Path(tempfile.mkdtemp(prefix="grader-impl-"))
-    copy = snapshot(impl.path, folder / impl.name)
+    try:
+        copy = snapshot(impl.path, folder / impl.name)
+    except BadSubmission as error:
+        shutil.rmtree(folder)
+        raise pytest.UsageError(f"not graded: {error}") from None
     if sandbox.level == "uid":
-        for path in [folder, *copy.rglob("*"), copy]:
-            path.chmod(0o755 if path.is_dir() else 0o644)
+        folder.chmod(0o755)  # the copy itself is world-readable; the sandbox's user must get through to it
     return PackageSpec(impl.name, copy)
 
 
@@ -572,6 +597,21 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         item.config.stash[PROGRESS].test_finished(problem.id, result.status)
 
 
+def sandbox_warning() -> str:
+    """A grading whose student code runs without the bwrap sandbox says so first, on the terminal and in the results,
+    not only in the score table's last line ("" when it ran in the sandbox)."""
+    context = current()
+    if context.isolation.level == "bwrap":
+        return ""
+    return f"WARNING: {isolation_line(context.isolation.level, context.isolation_note)}"
+
+
+def warn_if_unsandboxed(config: pytest.Config) -> None:
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if sandbox_warning() and reporter is not None and not config.getoption("--lane-record"):
+        reporter.write_line(sandbox_warning(), yellow=True, bold=True)
+
+
 def record_for_parent(config: pytest.Config, record: tuple) -> None:
     """In a lane of --jobs: pass the record to the process that started the lane (see grader.session.lanes)."""
     path = config.getoption("--lane-record")
@@ -580,6 +620,7 @@ def record_for_parent(config: pytest.Config, record: tuple) -> None:
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
+    warn_if_unsandboxed(session.config)
     totals: dict[str, int] = {}
     for item in session.items:
         problem = problem_of(item)
@@ -720,7 +761,7 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
         terminalreporter.section("failures")  # pytest printed none of these here: they ran in other processes
         for result in (result for result in failed if result.nodeid in config.stash[GRADED_ELSEWHERE]):
             terminalreporter.write_line(f"{result.problem.id}: {result.nodeid}")
-            for line in result.detail.splitlines() or [f"[{result.status}] {result.message}"]:
+            for line in shown(result.detail).splitlines() or [shown(f"[{result.status}] {result.message}")]:
                 terminalreporter.write_line("    " + line)
     terminalreporter.section("score")
     terminalreporter.write_line(f"impl: {context.impl.path}   profile: {context.profile}   device: {context.device}")
@@ -758,9 +799,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     spans = config.stash[PROBLEM_SPAN]
     extra = {"problem_seconds": {problem_id: round(end - start, 2) for problem_id, (start, end) in spans.items()},
              "profile": context.profile, "impl": str(context.impl.path), "device": str(context.device),
-             "isolation": context.isolation.level}
+             "isolation": context.isolation.level, "isolation_note": context.isolation_note}
     data = results_json(results, by_problem(results), time.monotonic() - config.stash[STARTED], extra,
                         isolation_line(context.isolation.level, context.isolation_note))
+    if sandbox_warning():
+        data["output"] = f"{sandbox_warning()}\n{data['output']}"
     key = config.stash[RESULTS_KEY]
     if key is not None:
         data = seal.sign(data, key, config.getoption("--results-nonce"))

@@ -101,9 +101,9 @@ def test_no_worker_outlives_the_run(tmp_path):
 
 
 def test_uid_level_keeps_student_code_out_of_a_private_reference(tmp_path):
-    """Where bwrap cannot run, a root grader runs student code as `nobody`, which cannot read a private reference.
-    Where `nobody` cannot run the grader's Python (a Python under /root, say), or the grader is not root, the level is
-    refused with the reason instead."""
+    """Where bwrap cannot run, a root grader runs student code as an unprivileged uid, which cannot read a private
+    reference. Where such a uid cannot run the grader's Python (a Python under /root, say), or the grader is not root,
+    the level is refused with the reason instead."""
     unavailable = isolation.uid_unavailable()
     if unavailable is not None:
         done = subprocess.run([sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider",

@@ -53,7 +53,7 @@ class GradingRequest:
             "--impl", self.impl, "--reference", self.reference, "--profile", self.profile,
             "--results-json", self.results_json, "--results-nonce", self.nonce, "--launcher", launcher,
             "--timeout-scale", str(self.timeout_scale), "--isolation", self.isolation,
-            *(() if self.allow_unisolated else ("--refuse-unisolated",)), *self.pytest_args,
+            "--allow-unisolated" if self.allow_unisolated else "--refuse-unisolated", *self.pytest_args,
         ]
 
 

@@ -20,7 +20,8 @@ import tomllib
 from dataclasses import dataclass
 from pathlib import Path
 
-SITE_FILE_VARIABLE = "GRADER_SITE_FILE"
+from grader.sandbox.policy import SITE_FILE_VARIABLE
+
 DEFAULT_SITE_FILE = Path("/etc/gpu-systems-grader/site.toml")
 KEYS = {"grader", "reference", "profile", "secret_seed_file"}
 

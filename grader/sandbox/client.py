@@ -11,6 +11,7 @@ import contextlib
 import os
 import signal
 import socket
+import struct
 import subprocess
 import sys
 import tempfile
@@ -18,6 +19,7 @@ import time
 from multiprocessing.connection import Connection
 from pathlib import Path
 
+from grader.checks.inert import escaped, inert
 from grader.checks.outcomes import (
     NotImplementedByStudent,
     RuleViolation,
@@ -27,7 +29,7 @@ from grader.checks.outcomes import (
     StudentTimedOut,
 )
 from grader.sandbox.isolation import Isolation, Mounts
-from grader.sandbox.wire import decode, encode
+from grader.sandbox.wire import MAX_REPLY_BYTES, ReplyRefused, decode_reply, encode, read_tail, too_long
 from grader.session.budget import TestBudget
 from grader.session.packages import PackageSpec
 
@@ -43,11 +45,13 @@ def kill_group(process: subprocess.Popen) -> None:
 
 
 def output_tail(path: Path, lines: int = 15) -> str:
+    """The last lines a worker printed, inert (grader.checks.inert): escaped before they are split, so that only
+    newlines end a line."""
     try:
-        text = path.read_text(errors="replace")
+        text = escaped(read_tail(path))
     except OSError:
         return ""
-    return "\n".join(text.splitlines()[-lines:])
+    return inert("\n".join(text.splitlines()[-lines:]))
 
 
 def exit_description(returncode: int | None, through_bwrap: bool = False) -> str:
@@ -64,17 +68,35 @@ def exit_description(returncode: int | None, through_bwrap: bool = False) -> str
     return f"exited with status {returncode}"
 
 
+def listed(names, separator: str = ", ") -> str:
+    """Names a reply lists, joined, inert: student code in the worker could have written any of them."""
+    return inert(separator.join(map(str, names)))
+
+
 def check_triton_traffic(reply: dict, what: str, context: str = "") -> None:
     """The worker's evidence that the Triton launches read every input and wrote every output
     (grader.sandbox.triton_traffic)."""
     where = f" ({context})" if context else ""
     if reply.get("unwritten"):
-        raise RuleViolation(f"{what} returned values that no Triton kernel wrote ({'; '.join(reply['unwritten'])}): "
+        raise RuleViolation(f"{what} returned values that no Triton kernel wrote ({listed(reply['unwritten'], '; ')}): "
                             f"every output element must be stored by your kernels, or copied from a buffer they "
                             f"stored{where}")
     if reply.get("unread"):
-        raise RuleViolation(f"{what}'s Triton kernels never read some of its inputs ({'; '.join(reply['unread'])}): "
+        raise RuleViolation(f"{what}'s Triton kernels never read some of its inputs ({listed(reply['unread'], '; ')}): "
                             f"the kernels must load every input they compute from{where}")
+
+
+class ReplyConnection(Connection):
+    """The grader's end of a worker's socket. `recv_bytes(maxlength)` refuses a longer message from its header, before
+    reading its body, but says only "bad message length": this reads the header the same way and names the size."""
+
+    def _recv_bytes(self, maxsize=None):
+        size, = struct.unpack("!i", self._recv(4).getvalue())
+        if size == -1:  # a message of 2 GiB or more: its size follows as 8 bytes
+            size, = struct.unpack("!Q", self._recv(8).getvalue())
+        if maxsize is not None and size > maxsize:
+            raise ReplyRefused(too_long(size, maxsize))
+        return self._recv(size)
 
 
 def reference_as_seen(reference: PackageSpec, isolation: Isolation) -> dict:
@@ -103,7 +125,7 @@ class Sandbox:
         # Functions still the stub (grader.checks.stubs), and any that raised NotImplementedError since: calling one
         # again cannot give anything else, so it is answered here, without a round trip.
         self.not_implemented = set(stubs)
-        self.isolation = isolation
+        self.isolation = isolation.fresh()  # a sandbox of its own: its own uid and control group
         self.mounts = Mounts(impl_dir=impl.path)
         self.start_message = {
             "problem": problem_id,
@@ -135,14 +157,15 @@ class Sandbox:
                 stderr=subprocess.STDOUT,
             )
         theirs.close()
-        self.connection = Connection(ours.detach())
+        self.connection = ReplyConnection(ours.detach())
         self.connection.send_bytes(encode(self.start_message))
         reply = self.receive(START_TIMEOUT_S, "importing the module")
         if reply["status"] == "import_error":
             self.stop()
             if reply["kind"] == "not_implemented":
                 raise NotImplementedByStudent("not implemented")
-            raise StudentCrashed(f"importing {self.problem_id} failed: {reply['message']}\n{reply['traceback']}")
+            raise StudentCrashed(f"importing {self.problem_id} failed: {inert(reply['message'])}\n"
+                                 f"{inert(reply['traceback'])}")
 
     def stop(self) -> None:
         if self.connection is not None:
@@ -153,8 +176,10 @@ class Sandbox:
             self.process = None
 
     def close(self) -> None:
-        """Stop the worker for good and remove its log (a restarted worker appends to the same log until then)."""
+        """Stop the worker for good, give back its sandbox and remove its log (a restarted worker appends to the same
+        log until then)."""
         self.stop()
+        self.isolation.close()
         self.log.unlink(missing_ok=True)
 
     def begin_test(self, budget: TestBudget) -> None:
@@ -204,18 +229,17 @@ class Sandbox:
 
     def enforce_rules(self, reply: dict, what: str) -> None:
         if reply.get("tampered"):
-            changed = ", ".join(reply["tampered"][:4])
-            raise RuleViolation(f"{what} modified the grader's code in the worker ({changed})")
+            raise RuleViolation(f"{what} modified the grader's code in the worker ({listed(reply['tampered'][:4])})")
         if reply.get("left_running"):
             raise RuleViolation(
-                f"{what} left {', '.join(reply['left_running'])} running after it returned: a call must finish its work"
+                f"{what} left {listed(reply['left_running'])} running after it returned: a call must finish its work"
             )
         if reply.get("modified"):
-            raise RuleViolation(f"{what} changed its input ({', '.join(reply['modified'])}) in place: leave every "
+            raise RuleViolation(f"{what} changed its input ({listed(reply['modified'])}) in place: leave every "
                                 "input as it was given")
         if reply["forbidden"]:
             raise RuleViolation(
-                f"{what} called {', '.join(reply['forbidden'])}: this problem is to reimplement that operator"
+                f"{what} called {listed(reply['forbidden'])}: this problem is to reimplement that operator"
             )
         launches_needed = self.uses_triton and not reply.get("empty_input")
         if launches_needed and not reply["launches"]:
@@ -223,7 +247,7 @@ class Sandbox:
         if launches_needed and reply.get("backward_launches") == []:
             raise RuleViolation(f"the backward of {what} launched no Triton kernel: it must be yours, in Triton")
         if reply.get("computed") and not reply.get("empty_input"):
-            raise RuleViolation(f"{what} computed with {', '.join(reply['computed'])} outside a Triton kernel: here "
+            raise RuleViolation(f"{what} computed with {listed(reply['computed'])} outside a Triton kernel: here "
                                 "torch may only allocate, view and copy tensors, and the values are your kernels' work")
         if not reply.get("empty_input"):
             check_triton_traffic(reply, what)
@@ -302,9 +326,9 @@ class Sandbox:
                 if function is not None:
                     self.not_implemented.add(function)
                 raise NotImplementedByStudent("not implemented")
-            raise StudentError(
-                f"{what} raised {reply['message']}\n{reply['traceback']}", tuple(reply["type_names"]), reply["message"]
-            )
+            raised = inert(reply["message"])
+            raise StudentError(f"{what} raised {raised}\n{inert(reply['traceback'])}",
+                               tuple(inert(name) for name in reply["type_names"]), raised)
         return reply, grader_value
 
     def receive(self, timeout_s: float, what: str, limit: str = "", note: str = "") -> dict:
@@ -314,7 +338,10 @@ class Sandbox:
             if not ready:
                 self.stop()
                 raise StudentTimedOut(f"{what} did not return {limit} (worker killed){note}")
-            return decode(self.connection.recv_bytes())
+            return decode_reply(self.connection.recv_bytes(MAX_REPLY_BYTES))
+        except ReplyRefused as refusal:
+            self.stop()  # what it sends next would answer the next request
+            raise StudentCrashed(f"{what} sent back {inert(refusal)} (refused; the worker was stopped)") from None
         except (EOFError, OSError, ConnectionError):
             time.sleep(0.2)  # let the process finish dying so its exit status is known
             code = self.process.poll() if self.process else None

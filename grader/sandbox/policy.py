@@ -13,9 +13,11 @@ SECRET_SEED_VARIABLE = "GRADER_SECRET_SEED"
 SECRET_SEED_FILE_VARIABLE = "GRADER_SECRET_SEED_FILE"
 REFERENCE_VARIABLE = "GRADER_REFERENCE"
 RESULTS_KEY_FILE_VARIABLE = "GRADER_RESULTS_KEY_FILE"
+SITE_FILE_VARIABLE = "GRADER_SITE_FILE"
 # Variables a student process must not see: the grading seed would let it predict the inputs, the reference path
-# would tell it where the solutions are, the key file where results are signed.
-SECRET_VARIABLES = (SECRET_SEED_VARIABLE, SECRET_SEED_FILE_VARIABLE, REFERENCE_VARIABLE, RESULTS_KEY_FILE_VARIABLE)
+# would tell it where the solutions are, the key file where results are signed, the site file where both are named.
+SECRET_VARIABLES = (SECRET_SEED_VARIABLE, SECRET_SEED_FILE_VARIABLE, REFERENCE_VARIABLE, RESULTS_KEY_FILE_VARIABLE,
+                    SITE_FILE_VARIABLE)
 
 # One CPU thread for every student process (worker, rank). They compute on small tensors, where a pool of threads per
 # operation costs more than it saves, and several of them at once (the ranks of a launch, a worker beside the grader)

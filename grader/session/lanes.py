@@ -129,8 +129,9 @@ class Lane:
             value = config.getoption(option)
             if value is not None:
                 arguments += [option, str(value)]
-        if config.getoption("--refuse-unisolated"):
-            arguments.append("--refuse-unisolated")
+        for flag in ("--refuse-unisolated", "--allow-unisolated"):
+            if config.getoption(flag):
+                arguments.append(flag)
         with self.log.open("wb") as log:
             self.process = subprocess.Popen([*arguments, *self.nodeids], stdin=subprocess.DEVNULL, stdout=log,
                                             stderr=subprocess.STDOUT, cwd=config.invocation_params.dir,
