@@ -37,7 +37,6 @@ products for half-precision inputs, IEEE float32 ones for float32 inputs, and ro
 it multiplies K and V).
 """
 
-import os
 
 import torch
 import triton
@@ -105,7 +104,7 @@ def check_arguments(q, k, v, g, beta, initial_state=None, chunk_size=None) -> No
 # at four were not measured); float32 tiles take twice the shared memory, so there the walks keep two stages of
 # their loads, not three. Under the interpreter the blocks are small so that short tests cross them.
 def _config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_K=min(key_dim, 16), BLOCK_V=min(value_dim, 16), STEP_K=min(key_dim, 16),
                     STEP_V=min(value_dim, 16), SCAN_V=min(value_dim, 16), WARPS=1, SCAN_WARPS=1, SOLVE_WARPS=1,
                     SCAN_STAGES=1)

@@ -45,9 +45,11 @@ class HybridConfig:
     eps: float = 1e-6
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_heads", "head_dim", "n_layers", "attention_every"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"HybridConfig.{name} must be at least 1, got {getattr(self, name)}")
+        sizes = {"d_model": self.d_model, "n_heads": self.n_heads, "head_dim": self.head_dim, "n_layers": self.n_layers,
+                 "attention_every": self.attention_every}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"HybridConfig.{name} must be at least 1, got {value}")
 
     def is_attention(self, layer: int) -> bool:
         """Whether layer `layer` (0-based) is a softmax attention layer; otherwise it is Gated DeltaNet."""

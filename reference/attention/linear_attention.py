@@ -28,7 +28,6 @@ traffic in half precision. Every product and sum accumulates in float32; float32
 All parallelism over T is in the chunk kernels; the state passes are sequential over N chunks of cheap steps.
 """
 
-import os
 
 import torch
 import triton
@@ -98,7 +97,7 @@ def linear_attention_recurrent(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
 # (K <= 128) and walks the value dimension in BLOCK_V columns. Under the interpreter the blocks are the smallest
 # tl.dot takes, so that the short test dimensions still cross several blocks.
 def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_X=16, BLOCK_Y=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_X=min(key_dim, 32), BLOCK_Y=min(value_dim, 32), num_warps=4, num_stages=2)
@@ -106,7 +105,7 @@ def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
 
 
 def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_K=16, BLOCK_V=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_K=min(key_dim, 32), BLOCK_V=min(value_dim, 32), num_warps=4, num_stages=2)
@@ -116,7 +115,7 @@ def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
 
 
 def _gradient_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_V=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_V=min(value_dim, 32), num_warps=8, num_stages=1)

@@ -41,7 +41,6 @@ leaves chunk c, so the sum of dL/dB over the later chunks is <dH^(c), S^(c+1)>
 reverse cumulative sum inside the chunk plus that one number, with no pass over the whole sequence.
 """
 
-import os
 
 import torch
 import triton
@@ -147,7 +146,7 @@ def _bfloat16_warps(key_dim: int, value_dim: int) -> int:
 
 
 def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_K=16, BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_K=min(key_dim, 32), BLOCK_V=min(value_dim, 32), num_warps=4, num_stages=2)
@@ -157,7 +156,7 @@ def _states_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
 
 def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
     """For the forward output kernel and the dv kernel, which share their shape of work."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_K=16, BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_K=min(key_dim, 32), BLOCK_V=min(value_dim, 32), num_warps=4, num_stages=2)
@@ -166,7 +165,7 @@ def _output_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
 
 
 def _dqk_config(dtype: torch.dtype, key_dim: int, value_dim: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_V=16, num_warps=1, num_stages=1)
     if _operand_dtype(dtype) == torch.float32:
         return dict(BLOCK_V=min(value_dim, 16), num_warps=8, num_stages=1)

@@ -40,9 +40,11 @@ class MLAConfig:
     rope_dim: int
 
     def __post_init__(self) -> None:
-        for name in ("d_model", "n_heads", "head_dim", "latent_dim", "rope_dim"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        sizes = {"d_model": self.d_model, "n_heads": self.n_heads, "head_dim": self.head_dim,
+                 "latent_dim": self.latent_dim, "rope_dim": self.rope_dim}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if self.rope_dim % 2:
             raise ValueError(f"rope_dim must be even, got {self.rope_dim}")
 

@@ -19,7 +19,6 @@ the software pipeline's fill and drain, and forward and backward took 11 % longe
 """
 
 import math
-import os
 
 import torch
 import triton
@@ -64,7 +63,7 @@ def check_arguments(q, k, v, window) -> None:
 
 
 def _config(dtype: torch.dtype, head_dim_block: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8 if head_dim_block <= 64 else 16, num_stages=2)
@@ -74,7 +73,7 @@ def _config(dtype: torch.dtype, head_dim_block: int) -> dict:
 
 
 def _backward_config(dtype: torch.dtype, head_dim_block: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_MAJOR=32, BLOCK_MINOR=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_MAJOR=64 if head_dim_block <= 64 else 32, BLOCK_MINOR=16, num_warps=8, num_stages=2)

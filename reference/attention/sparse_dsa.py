@@ -17,7 +17,6 @@ atomics into buffers that a last kernel rounds to the input dtype.
 """
 
 import math
-import os
 
 import torch
 import triton
@@ -33,7 +32,7 @@ CAST_BLOCK = 1024
 
 
 def _interpreted() -> bool:
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    return triton.knobs.runtime.interpret
 
 
 def _precision(dtype: torch.dtype) -> str:

@@ -13,7 +13,6 @@ the last partial block pay for it.
 """
 
 import math
-import os
 
 import torch
 import triton
@@ -32,7 +31,7 @@ _LN_2 = tl.constexpr(0.6931471805599453)
 # (see _precision), whose operands live in registers: smaller tiles and more warps. Under the interpreter the tiles are tiny, in the same ratios, so that the short test sequences still
 # cross several blocks.
 def _forward_config(dtype: torch.dtype, head_dim_block: int) -> dict:
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_M=32, BLOCK_N=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_M=64, BLOCK_N=32, num_warps=8 if head_dim_block <= 64 else 16, num_stages=2)
@@ -43,7 +42,7 @@ def _forward_config(dtype: torch.dtype, head_dim_block: int) -> dict:
 
 def _backward_config(dtype: torch.dtype, head_dim_block: int) -> dict:
     """BLOCK_MAJOR rows stay resident (keys for dK/dV, queries for dQ), BLOCK_MINOR rows are streamed."""
-    if os.environ.get("TRITON_INTERPRET") == "1":
+    if triton.knobs.runtime.interpret:
         return dict(BLOCK_MAJOR=32, BLOCK_MINOR=16, num_warps=1, num_stages=1)
     if dtype == torch.float32:
         return dict(BLOCK_MAJOR=64 if head_dim_block <= 64 else 32, BLOCK_MINOR=16, num_warps=8, num_stages=2)

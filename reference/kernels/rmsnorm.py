@@ -10,7 +10,6 @@ traffic of reading g and x and writing dx.
 """
 
 import math
-import os
 
 import torch
 import triton
@@ -24,7 +23,7 @@ MAX_FUSED_COLS = 8192
 # The forward holds only x and w: whole rows up to 32768 columns stay in registers (64 fp32 values a thread at 16
 # warps), so x is read once instead of twice; on an H200 at 4096x32768 this moved fp32 from 2.8 to 3.9 TB/s. Under
 # the interpreter the backward's limit applies to both, so that CPU tests still reach the streaming forward kernel.
-MAX_FUSED_FORWARD_COLS = MAX_FUSED_COLS if os.environ.get("TRITON_INTERPRET") == "1" else 32768
+MAX_FUSED_FORWARD_COLS = MAX_FUSED_COLS if triton.knobs.runtime.interpret else 32768
 # Elements one fused program handles at a time: short rows are packed several to a block so that each program
 # still moves enough bytes to hide its load latency.
 ELEMENTS_PER_BLOCK = 4096

@@ -6,7 +6,17 @@ import math
 
 import torch
 import torch.distributed as dist
-from torch.utils._pytree import tree_leaves
+
+
+def _tensors_in(value) -> list[torch.Tensor]:
+    """The tensors in a module's output: itself, or those in its (nested) tuples, lists and dict values."""
+    if isinstance(value, torch.Tensor):
+        return [value]
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (tuple, list)):
+        return [tensor for item in value for tensor in _tensors_in(item)]
+    return []
 
 
 class _Unit:
@@ -32,7 +42,7 @@ class _Unit:
         torch.cat(pieces, out=flat[: sum(self.numels)])
         self.shard = torch.nn.Parameter(flat[self.rank * shard_size : (self.rank + 1) * shard_size].clone())
         for owner, attribute, _, _ in self.slots:
-            del owner._parameters[attribute]  # the full parameter is dropped: only the shard persists
+            delattr(owner, attribute)  # the full parameter is dropped: only the shard persists
         self.compute_dtype = compute_dtype or torch.float32
         self.gathered: torch.Tensor | None = None  # the flat parameter of the current step, storage freed between uses
 
@@ -41,11 +51,11 @@ class _Unit:
 
     # --- gathering and freeing ------------------------------------------------------------------------------------
 
-    def _all_gather_into(self, flat: torch.Tensor) -> None:
+    def all_gather_into(self, flat: torch.Tensor) -> None:
         # `.data` writes the values without bumping the version counter that autograd's saved views share with flat.
         dist.all_gather_into_tensor(flat.data, self.shard.detach().to(self.compute_dtype), group=self.group)
 
-    def _free(self) -> None:
+    def free(self) -> None:
         self.gathered.untyped_storage().resize_(0)
 
     def _regather(self, _grad=None) -> None:
@@ -53,7 +63,7 @@ class _Unit:
         storage = self.gathered.untyped_storage()
         if storage.nbytes() == 0:
             storage.resize_(self.padded * self.gathered.element_size())
-            self._all_gather_into(self.gathered)
+            self.all_gather_into(self.gathered)
 
     def _before_forward(self, child, args):
         self.gathered = _GatherShard.apply(self.shard, self)
@@ -63,9 +73,9 @@ class _Unit:
         return tuple(a.to(self.compute_dtype) if torch.is_tensor(a) and a.is_floating_point() else a for a in args)
 
     def _after_forward(self, child, args, output):
-        self._free()
-        for tensor in tree_leaves(output):
-            if isinstance(tensor, torch.Tensor) and tensor.requires_grad:
+        self.free()
+        for tensor in _tensors_in(output):
+            if tensor.requires_grad:
                 tensor.register_hook(self._regather)
 
     def reduce_scatter_gradient(self, flat_grad: torch.Tensor) -> torch.Tensor:
@@ -94,13 +104,13 @@ class _GatherShard(torch.autograd.Function):
     def forward(ctx, shard: torch.Tensor, unit: _Unit) -> torch.Tensor:
         ctx.unit = unit
         flat = torch.empty(unit.padded, dtype=unit.compute_dtype, device=shard.device)
-        unit._all_gather_into(flat)
+        unit.all_gather_into(flat)
         return flat
 
     @staticmethod
     def backward(ctx, flat_grad: torch.Tensor):
         unit = ctx.unit
-        unit._free()
+        unit.free()
         return unit.reduce_scatter_gradient(flat_grad), None
 
 

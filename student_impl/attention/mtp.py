@@ -58,9 +58,10 @@ class MTPConfig:
 
     def __post_init__(self) -> None:
         """Given: the sizes' checks."""
-        for name in ("vocab_size", "d_model", "n_heads", "depth"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        sizes = {"vocab_size": self.vocab_size, "d_model": self.d_model, "n_heads": self.n_heads, "depth": self.depth}
+        for name, value in sizes.items():
+            if value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
         if self.d_model % self.n_heads:
             raise ValueError(f"d_model ({self.d_model}) must be a multiple of n_heads ({self.n_heads})")
 
