@@ -20,11 +20,12 @@ from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
 from grader import expectations
 from grader.checks import answers, profiles, stubs
-from grader.checks.outcomes import NotImplementedByStudent
+from grader.checks.inert import inert
+from grader.checks.outcomes import NotImplementedByStudent, RuleViolation
 from grader.cluster import site
 from grader.cluster.snapshot import BadSubmission, snapshot
 from grader.distributed.launcher import RankJob, launcher_for
-from grader.sandbox import isolation, policy
+from grader.sandbox import isolation, policy, source_policy
 from grader.sandbox.client import Sandbox
 from grader.session import backend, budget, lanes, outer_timeout, reference_lock, seal
 from grader.session.context import Context, current, secret_seed, set_current, take_secret_seed
@@ -44,6 +45,8 @@ REFERENCE_MODULES = pytest.StashKey[dict]()
 RESULTS_KEY = pytest.StashKey[object]()
 PROGRESS = pytest.StashKey[Progress]()
 ALL_STUBS = pytest.StashKey[dict]()
+# Per problem: what the source policy found in the graded package (grader.sandbox.source_policy), read once.
+SOURCE_VIOLATIONS = pytest.StashKey[dict]()
 # Per problem: when its first test started and its last one ended (wall clock, for the results file).
 PROBLEM_SPAN = pytest.StashKey[dict]()
 EXPECTATIONS = pytest.StashKey[expectations.Store | None]()
@@ -124,6 +127,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                          "that sees the GPUs (auto: where this machine has NVIDIA GPUs; off: leave them skipped)")
     group.addoption("--lane-record", default=None,
                     help="(set by --jobs for the processes it starts: the file their results go to)")
+    group.addoption("--source-policy", default=os.environ.get("GRADER_SOURCE_POLICY", "on"), choices=("on", "off"),
+                    help="check each problem's source against its family's rules before any of it runs (on, the "
+                         "default); off only tests the runtime guards behind the policy, and the grading profile "
+                         "refuses it (env GRADER_SOURCE_POLICY)")
     group.addoption("--results-nonce", default="",
                     help="a grading job's nonce, signed into the results with the key in GRADER_RESULTS_KEY_FILE")
 
@@ -141,6 +148,9 @@ def pytest_configure(config: pytest.Config) -> None:
     profiles.load(profile)
     secret_files = secret_paths()  # before the key and the seed leave the environment
     config.stash[RESULTS_KEY] = seal.take_key()
+    if profile == "grading" and config.getoption("--source-policy") == "off":
+        raise pytest.UsageError("--source-policy off only tests the runtime guards behind the source policy: the "
+                                "grading profile always checks it")
     if profile == "grading":
         try:
             take_secret_seed()  # fail now, before any test, if the seed is missing
@@ -196,6 +206,7 @@ def pytest_configure(config: pytest.Config) -> None:
                         isolation_note=note, impl_copy=private_copy(impl, sandbox), world_sizes=world_sizes))
     config.stash[RESULTS] = {}
     config.stash[ALL_STUBS] = {}
+    config.stash[SOURCE_VIOLATIONS] = {}
     config.stash[PROBLEM_SPAN] = {}
     config.stash[GROUP_SIZES] = {}
     config.stash[STARTED] = time.monotonic()
@@ -370,12 +381,37 @@ def sheet(problem: Problem) -> dict:
     return answers.read_sheet(current().graded.module_file(problem.id))
 
 
-def measured_problem(problem_id: str) -> Problem:
-    """Another problem, one that an analysis question measures; "not implemented" while its module is the stub."""
+def measured_problem(config: pytest.Config, problem_id: str) -> Problem:
+    """Another problem, one that an analysis question measures; "not implemented" while its module is the stub, and
+    a rule violation while its source breaks the source policy."""
     module_file = current().graded.module_file(problem_id)
     if not module_file.exists() or stubs.all_stubs(module_file):
         raise NotImplementedByStudent(f"{problem_id} is not implemented, and this question measures it")
+    found = source_violations(config, problem_id)
+    if found:
+        raise RuleViolation(f"{problem_id}, which this question measures, breaks the source policy:\n"
+                            f"{violations_text(found)}")
     return registry.BY_ID[problem_id]
+
+
+def source_violations(config: pytest.Config, problem_id: str) -> list[source_policy.Violation]:
+    """The source policy's violations in what importing the problem's module runs, read once per problem (none with
+    --source-policy off)."""
+    if config.getoption("--source-policy") == "off":
+        return []
+    known = config.stash[SOURCE_VIOLATIONS]
+    if problem_id not in known:
+        graded = current().graded
+        known[problem_id] = source_policy.violations(graded.name, graded.path, problem_id)
+    return known[problem_id]
+
+
+def violations_text(found: list[source_policy.Violation], shown_at_most: int = 5) -> str:
+    """One line per violation, the first few of them (the names in them come from the student's files)."""
+    lines = [str(violation) for violation in found[:shown_at_most]]
+    if len(found) > shown_at_most:
+        lines.append(f"... and {len(found) - shown_at_most} more")
+    return inert("\n".join(lines))
 
 
 @pytest.fixture
@@ -385,7 +421,7 @@ def student_of(request: pytest.FixtureRequest):
     opened = []
 
     def open_module(problem_id: str) -> Sandbox:
-        sandbox = sandbox_for(request.config, measured_problem(problem_id))
+        sandbox = sandbox_for(request.config, measured_problem(request.config, problem_id))
         sandbox.begin_test(budget.active())
         opened.append(sandbox)
         return sandbox
@@ -473,7 +509,7 @@ def ranks_of(request: pytest.FixtureRequest):
     opened = []
 
     def open_ranks(problem_id: str) -> Ranks:
-        opened.append(ranks_for(request.config, measured_problem(problem_id)))
+        opened.append(ranks_for(request.config, measured_problem(request.config, problem_id)))
         return opened[-1]
 
     yield open_ranks
@@ -493,7 +529,8 @@ def partial_credit(request: pytest.FixtureRequest):
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
-    """A problem whose module file is missing is "not implemented", before any of its fixtures is set up.
+    """A problem whose module file is missing, or all stubs, is "not implemented", and a test that would run a module
+    whose source breaks the source policy (grader.sandbox.source_policy) fails, before any of its fixtures is set up.
 
     Raised from this hook, not from a fixture: pytest 9.1 leaves a function fixture that raised in a state that fails
     the next test using it, which would cost another problem its points."""
@@ -513,6 +550,14 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         known[problem.id] = stubs.all_stubs(current().graded.module_file(problem.id))
     if known[problem.id]:
         raise NotImplementedByStudent("not implemented")  # every function is still the stub: no worker, no ranks
+    found = source_violations(item.config, problem.id) if runs_student_code(item) else []
+    if found:
+        raise RuleViolation(violations_text(found))  # before the worker starts or the ranks launch
+
+
+def runs_student_code(item: pytest.Item) -> bool:
+    """Whether the test runs the problem's module (an analysis question's answer sheet is read as data instead)."""
+    return not {"student", "ranks"}.isdisjoint(getattr(item, "fixturenames", ()))
 
 
 @pytest.fixture(autouse=True)

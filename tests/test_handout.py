@@ -31,8 +31,9 @@ def repo_copy(tmp_path):
     ignore = shutil.ignore_patterns("__pycache__")
     shutil.copytree(ROOT / "assignment", tmp_path / "assignment", ignore=ignore)
     shutil.copytree(ROOT / build.STUBS_DIR, tmp_path / build.STUBS_DIR, ignore=ignore)
-    (tmp_path / build.SHEET_SYNTAX).parent.mkdir(parents=True)
-    shutil.copy(ROOT / build.SHEET_SYNTAX, tmp_path / build.SHEET_SYNTAX)
+    for graders_part in (build.SHEET_SYNTAX, build.SOURCE_POLICY):
+        (tmp_path / graders_part).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copy(ROOT / graders_part, tmp_path / graders_part)
     return tmp_path
 
 

@@ -57,7 +57,7 @@ def assert_router_unharmed(run) -> None:
 def test_forged_results_and_their_daemon_are_powerless(tmp_path, reference_copy):
     marker = uuid.uuid4().hex
     results = tmp_path / "results" / "results.json"
-    run = run_grader(hostile_impl(tmp_path, "forges_results"), *ATTACKED_AND_BYSTANDER,
+    run = run_grader(hostile_impl(tmp_path, "forges_results"), *ATTACKED_AND_BYSTANDER, "--source-policy", "off",
                      "--reference", str(reference_copy), results_path=results,
                      env={"HOSTILE_RESULTS_GUESS": str(results), "GRADER_TEST_RUN": marker})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32")
@@ -70,7 +70,7 @@ def test_forged_results_and_their_daemon_are_powerless(tmp_path, reference_copy)
 
 def test_reference_cannot_be_modified(tmp_path, reference_copy):
     before = (reference_copy / "moe" / "router.py").read_text()
-    run = run_grader(hostile_impl(tmp_path, "modifies_reference"), *ATTACKED_AND_BYSTANDER,
+    run = run_grader(hostile_impl(tmp_path, "modifies_reference"), *ATTACKED_AND_BYSTANDER, "--source-policy", "off",
                      "--reference", str(reference_copy), env={"HOSTILE_REFERENCE_GUESS": str(reference_copy)})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "appended to no reference module")
     assert_router_unharmed(run)
@@ -82,7 +82,8 @@ def test_a_modified_reference_aborts_the_run(tmp_path, reference_copy):
     results = tmp_path / "results.json"
     command = [sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider", "--profile", "ci",
                "--impl", str(hostile_impl(tmp_path, "modifies_reference")), "--reference", str(reference_copy),
-               "--isolation", "none", "--results-json", str(results), *ATTACKED_AND_BYSTANDER]
+               "--isolation", "none", "--source-policy", "off", "--results-json", str(results),
+               *ATTACKED_AND_BYSTANDER]
     done = subprocess.run(command, cwd=ROOT, capture_output=True, text=True, timeout=900,
                           env={**os.environ, "HOSTILE_REFERENCE_GUESS": str(reference_copy)})
     assert done.returncode == 3, done.stdout[-3000:]
@@ -92,7 +93,7 @@ def test_a_modified_reference_aborts_the_run(tmp_path, reference_copy):
 
 def test_secrets_and_the_reference_cannot_be_stolen(tmp_path, reference_copy):
     run = run_grader(hostile_impl(tmp_path, "steals_secrets"), "-k", "matches_reference_fp32", "--reference",
-                     str(reference_copy), profile="grading",
+                     str(reference_copy), "--source-policy", "off",
                      env={"GRADER_SECRET_SEED": SECRET_SEED, "HOSTILE_REFERENCE_GUESS": str(reference_copy)})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "loot: cat: cat:", "No such file")
     everything = json.dumps(run.results)
@@ -110,7 +111,8 @@ def test_one_student_cannot_touch_another(tmp_path):
     done = subprocess.run(
         [sys.executable, "-m", "grader", "grade-all", str(submissions), "--out", str(out), "--executor", "local",
          "--parallel", "3", "--profile", "ci", "--problems", "moe.router", "--select", "indices_and_gates"],
-        cwd=ROOT, capture_output=True, text=True, timeout=1200, env={**os.environ, "HOSTILE_SCOPE": str(tmp_path)},
+        cwd=ROOT, capture_output=True, text=True, timeout=1200,
+        env={**os.environ, "HOSTILE_SCOPE": str(tmp_path), "GRADER_SOURCE_POLICY": "off"},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {row["student"]: row for row in csv.DictReader(open(out / "class.csv"))}
@@ -130,7 +132,7 @@ def test_one_student_cannot_touch_another(tmp_path):
     ],
 )
 def test_rules_hold_in_every_thread(tmp_path, variant, fragments):
-    run = run_grader(hostile_impl(tmp_path, variant), *ATTACKED_AND_BYSTANDER)
+    run = run_grader(hostile_impl(tmp_path, variant), *ATTACKED_AND_BYSTANDER, "--source-policy", "off")
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", *fragments)
     assert_router_unharmed(run)
 
@@ -142,7 +144,8 @@ def test_ranks_cannot_forge_training_without_communicating(tmp_path):
     impl = tmp_path / "impl"
     shutil.copytree(ROOT / "reference", impl, ignore=shutil.ignore_patterns("__pycache__"))
     shutil.copy(HOSTILE / "fakes_ddp" / "parallel" / "ddp.py", impl / "parallel" / "ddp.py")
-    run = run_grader(impl, "--problem", "parallel.ddp,moe.router", "-k", "test_ddp or indices_and_gates")
+    run = run_grader(impl, "--problem", "parallel.ddp,moe.router", "-k", "test_ddp or indices_and_gates",
+                     "--source-policy", "off")
     for test in ("broadcast_at_construction", "matches_single_process", "frozen_parameter", "tied_weights"):
         assert_fails_for(run, "parallel.ddp", test)
     outside = [t for t in run.tests_of("parallel.ddp") if "overlaps_backward" not in t["name"]]

@@ -88,7 +88,8 @@ def raw_controls_in(texts: list[str]) -> list[str]:
 def test_an_inflating_reply_is_refused_before_it_inflates(tmp_path):
     """The hostile softmax answers over the worker's socket with 1.6 MB that torch.load would read as a 1.6 GB tensor
     (a deflated storage): without the bound, the grader's peak memory was 1.9 GB, against 0.35 GB for an honest run."""
-    run, peak_bytes = graded_with_peak_memory(hostile_impl(tmp_path, "inflates_reply"), *ATTACKED_AND_BYSTANDER)
+    run, peak_bytes = graded_with_peak_memory(hostile_impl(tmp_path, "inflates_reply"), *ATTACKED_AND_BYSTANDER,
+                                              "--source-policy", "off")
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "compressed entries", "refused",
                      "worker was stopped", status="crashed")
     assert_router_unharmed(run)

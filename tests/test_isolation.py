@@ -51,6 +51,7 @@ def test_crash_or_hang_costs_only_its_problem(tmp_path, variant, status, fragmen
         impl_with_hostile_softmax(tmp_path, variant),
         *ATTACKED_AND_BYSTANDER,
         "--timeout-scale", "0.1",
+        "--source-policy", "off",
     )
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", *fragments, status=status)
     assert "inputs: shape=" in run.failures("kernels.softmax")[0]["output"]
@@ -73,7 +74,7 @@ def test_missing_module_costs_only_its_problem(tmp_path):
 
 def test_patched_checks_change_no_verdict(tmp_path):
     run = run_grader(impl_with_hostile_softmax(tmp_path, "patches_checks"), "--problem", "kernels.softmax,moe.router",
-                     "-k", "matches_reference or indices_and_gates")
+                     "-k", "matches_reference or indices_and_gates", "--source-policy", "off")
     # Its constant 0.5 is caught as constant, or (where shrinking reaches a one-column row) as out of tolerance.
     for test in ("matches_reference_fp32", "matches_reference_fp16"):
         assert_fails_for(run, "kernels.softmax", test, "softmax(x):")
@@ -87,7 +88,7 @@ def test_patched_checks_change_no_verdict(tmp_path):
 def test_reference_can_be_neither_imported_nor_read(level, refusal):
     """In the sandbox the reference is not there; without it, the worker's audit hook refuses the read."""
     run = run_grader(HOSTILE / "steals_reference", "-k", "matches_reference_fp32", "--isolation", level,
-                     env={"HOSTILE_REFERENCE_GUESS": str(ROOT / "reference")})
+                     "--source-policy", "off", env={"HOSTILE_REFERENCE_GUESS": str(ROOT / "reference")})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "may not import the reference package", refusal)
 
 
@@ -114,7 +115,7 @@ def test_uid_level_keeps_student_code_out_of_a_private_reference(tmp_path):
     shutil.copytree(ROOT / "reference", private / "reference", ignore=shutil.ignore_patterns("__pycache__"))
     private.chmod(0o700)
     run = run_grader(HOSTILE / "steals_reference", "-k", "matches_reference_fp32", "--isolation", "uid",
-                     "--reference", str(private / "reference"),
+                     "--reference", str(private / "reference"), "--source-policy", "off",
                      env={"HOSTILE_REFERENCE_GUESS": str(private / "reference")})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32", "may not import the reference package",
                      "Permission denied")

@@ -224,7 +224,7 @@ def assert_found_nothing(output: str) -> None:
 def test_the_cluster_layout_is_out_of_reach(tmp_path, cluster_layout):
     site, reference = cluster_layout
     run = run_grader(reads_the_machine(tmp_path / "impl"), *ATTACKED_AND_BYSTANDER, "--reference", str(reference),
-                     env={"GRADER_SITE_FILE": str(site), "HOSTILE_SITE_GUESS": str(site)})
+                     "--source-policy", "off", env={"GRADER_SITE_FILE": str(site), "HOSTILE_SITE_GUESS": str(site)})
     assert_fails_for(run, "kernels.softmax", "matches_reference_fp32")
     assert_found_nothing(run.failures("kernels.softmax")[0]["output"])
     router = run.tests_of("moe.router")
@@ -240,7 +240,8 @@ def test_grade_all_grades_the_class_around_a_student_who_reads_the_machine(tmp_p
         [sys.executable, "-m", "grader", "grade-all", str(submissions), "--out", str(out), "--executor", "local",
          "--reference", str(reference), "--profile", "ci", "--problems", "kernels.softmax",
          "--select", "matches_reference_fp32"],
-        cwd=ROOT, capture_output=True, text=True, timeout=600, env={**os.environ, "HOSTILE_SITE_GUESS": str(site)})
+        cwd=ROOT, capture_output=True, text=True, timeout=600,
+        env={**os.environ, "HOSTILE_SITE_GUESS": str(site), "GRADER_SOURCE_POLICY": "off"})
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     rows = {row["student"]: row for row in csv.DictReader(open(out / "class.csv"))}
     assert rows["alice"]["kernels.softmax"] != "0" and rows["mallory"]["kernels.softmax"] == "0", rows
@@ -254,9 +255,10 @@ def test_gradescope_upload_that_reads_the_machine_finds_nothing(tmp_path):
                     "kernels.softmax"], cwd=ROOT, check=True, capture_output=True, text=True)
     root = tmp_path / "autograder"
     os.environ["HOSTILE_REFERENCE_GUESS"] = str(root / "source" / "reference")  # where the zip unpacks it
+    os.environ["GRADER_SOURCE_POLICY"] = "off"
     try:
         results = run_autograder(zip_path, root, lambda upload: reads_the_machine(upload / "student_impl"))
     finally:
-        del os.environ["HOSTILE_REFERENCE_GUESS"]
+        del os.environ["HOSTILE_REFERENCE_GUESS"], os.environ["GRADER_SOURCE_POLICY"]
     assert results["tests"] and results["score"] == 0, results.get("output")
     assert_found_nothing("\n".join(test["output"] for test in results["tests"]))

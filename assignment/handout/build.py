@@ -28,11 +28,13 @@ from pathlib import Path
 from types import ModuleType
 
 from grader.checks.sheet_syntax import sheet_assignment
+from grader.sandbox import source_policy
 
 HANDOUT_DIR = Path("assignment") / "handout"
 TEMPLATE = HANDOUT_DIR / "handout.typ"
 REGISTRY = Path("assignment") / "registry.py"
 SHEET_SYNTAX = Path("grader") / "checks" / "sheet_syntax.py"  # which assignment of an answer sheet is printed
+SOURCE_POLICY = Path("grader") / "sandbox" / "source_policy.py"  # the rules a submission's source follows
 STUBS_DIR = Path("student_impl")
 OUTPUT = Path("handout.pdf")
 BUILD_COMMAND = "python -m assignment.handout.build"
@@ -105,7 +107,8 @@ def source_files(root: Path, problems) -> list[Path]:
     for stub in stubs:
         if not (root / stub).is_file():
             raise BuildError(f"{stub} is missing: the handout shows the contract of every registered problem")
-    return sorted(set(handout_files + stubs + [REGISTRY, SHEET_SYNTAX]), key=lambda path: path.as_posix())
+    graders_parts = [REGISTRY, SHEET_SYNTAX, SOURCE_POLICY]
+    return sorted(set(handout_files + stubs + graders_parts), key=lambda path: path.as_posix())
 
 
 def source_sha256(root: Path, files: list[Path]) -> str:
@@ -397,6 +400,11 @@ def template_data(root: Path, registry: ModuleType, source_hash: str) -> dict:
         "reference_time_multiple": registry.REFERENCE_TIME_MULTIPLE,
         "total_points": sum(problem.max_points for problem in problems),
         "families": families,
+        "source_policy": {
+            "imports": [{"family": family["name"], "modules": list(source_policy.FAMILY_IMPORTS[family["name"]])}
+                        for family in families],
+            "rules": source_policy.rules_text(),
+        },
     }
 
 
