@@ -1,8 +1,10 @@
 """Programs the launcher tests run on several ranks: program(student_module, rank, world_size, *args)."""
 
 import os
+import secrets
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -65,3 +67,35 @@ def rank_zero_leaves_a_daemon(student, rank, world_size, marker):
                          env={**os.environ, "LEFTOVER": marker})
     dist.barrier()
     return rank
+
+
+def what_rank_code_sees_of_the_store(student, rank, world_size):
+    """What code in a rank, run after the student's module is imported, can learn of the process group's store: the
+    variables that could name one, what ProcessGroup.get_group_store gives, and the files it can find by listing its
+    temporary files and its launch's folder that hold a value this program put in the store (through torch's private
+    route: grader code, which the source policy does not read)."""
+    marker = secrets.token_hex(16)
+    dist.distributed_c10d._get_default_store().set(f"marker{rank}", marker)
+    try:
+        dist.group.WORLD.get_group_store()
+        refusal = None
+    except RuntimeError as error:
+        refusal = str(error)
+    launch_folder = Path("/proc/self/fd/1").resolve().parent  # the rank's log is there
+    holding = [str(path) for folder in (Path(tempfile.gettempdir()), launch_folder) for path in files_under(folder)
+               if marker.encode() in path.read_bytes()]
+    dist.barrier()
+    variables = ("MASTER_ADDR", "MASTER_PORT", "GRADER_STORE_PATH")
+    return {"environment": {name: os.environ[name] for name in variables if name in os.environ},
+            "get_group_store": refusal, "files_holding_the_store": holding}
+
+
+def files_under(folder: Path) -> list[Path]:
+    """The regular files under `folder` that this process can list and read."""
+    found = []
+    for parent, _, names in os.walk(folder):  # folders it cannot list are skipped
+        for name in names:
+            path = Path(parent) / name
+            if path.is_file() and os.access(path, os.R_OK):
+                found.append(path)
+    return found

@@ -17,13 +17,17 @@ Two ways to run it:
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import json
 import os
+import secrets
+import shutil
 import signal
 import socket
 import sys
+import tempfile
 from pathlib import Path
 
 from grader.sandbox.wire import decode
@@ -59,13 +63,38 @@ def start_rank(entry, run: Path, rank: int, world_size: int, data_fds: list[int]
         os._exit(status)  # only reached if the rank's entry point itself failed
 
 
+@contextlib.contextmanager
+def launch_store(variable: str):
+    """Where the launch's c10d store lives, in the environment variable `variable` for the ranks forked inside the
+    block: a file of a random name in a folder of the sandbox's temporary files that the ranks may create files in
+    but not list, so that no rank code finds it by looking (not in the launch's folder, which the ranks list). The
+    name is drawn here, straight into the environment, and no variable keeps it (the ranks fork from inside this
+    process's frames); the folder goes with the launch."""
+    folder = Path(tempfile.mkdtemp(prefix="store-"))
+    folder.chmod(0o300)
+    os.environ[variable] = str(folder / secrets.token_hex(16))
+    try:
+        yield
+    finally:
+        del os.environ[variable]
+        with contextlib.suppress(OSError):  # gone already, if rank code removed it once empty
+            folder.chmod(0o700)
+        shutil.rmtree(folder, ignore_errors=True)
+
+
 def run_launch(entry, run: Path, world_size: int, data_fds: list[int], close_fds: tuple[int, ...] = ()) -> None:
     """Fork the launch's ranks and wait for them, writing each one's exit status as it ends."""
     # The grader's program is imported before the forks too (once per module: later launches find it imported).
     importlib.import_module(decode((run / "job.pt").read_bytes())["program"].partition(":")[0])
-    rank_of = {start_rank(entry, run, rank, world_size, data_fds, close_fds): rank for rank in range(world_size)}
-    for fd in data_fds:
-        os.close(fd)
+    with launch_store(entry.STORE_PATH_VARIABLE):
+        rank_of = {start_rank(entry, run, rank, world_size, data_fds, close_fds): rank for rank in range(world_size)}
+        for fd in data_fds:
+            os.close(fd)
+        wait_for_ranks(run, rank_of)
+
+
+def wait_for_ranks(run: Path, rank_of: dict[int, int]) -> None:
+    """Wait for the ranks (pid -> rank), writing each one's exit status as it ends."""
     while rank_of:  # in the order they end: a rank that died early is known while its peers still wait
         pid, status = os.wait()
         if pid in rank_of:

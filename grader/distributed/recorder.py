@@ -1,9 +1,9 @@
 """A recording wrapper around torch.distributed, installed in every rank before student code is imported.
 
-Each collective or point-to-point call is appended to `CALLS` (its name, bytes, whether it was asynchronous, the
-grader program's phase when it was issued and, for an asynchronous one, the phase when its handle or the handle's
-future was first waited on) and written to the rank's progress file as it starts. When ranks hang, the progress files
-say which ranks never reached the call the others are waiting in.
+Each collective or point-to-point call is appended to `CALLS` (its name, bytes, the bytes it sends to and receives
+from peers, whether it was asynchronous, the grader program's phase when it was issued and, for an asynchronous one,
+the phase when its handle or the handle's future was first waited on) and written to the rank's progress file as it
+starts. When ranks hang, the progress files say which ranks never reached the call the others are waiting in.
 """
 
 from __future__ import annotations
@@ -64,6 +64,8 @@ class Call:
     phase: str
     # Bytes this call sends to peers: a send's or isend's tensor, the isend operations of a batch_isend_irecv.
     sent: int = 0
+    # Bytes this call receives from peers: a recv's or irecv's tensor, the irecv operations of a batch_isend_irecv.
+    received: int = 0
     # Issued by torch from inside another recorded call (the isend under a send, under a batch_isend_irecv): count
     # only calls that are not nested, or a message is counted twice.
     nested: bool = False
@@ -92,11 +94,13 @@ def tensor_bytes(value) -> int:
     return 0
 
 
-def sent_bytes(name: str, first) -> int:
-    if name in ("send", "isend"):
+def point_to_point_bytes(name: str, first, direction: str) -> int:
+    """The bytes a call named `name` with first operand `first` moves in `direction` ("send" or "recv"): its tensor
+    for a send/isend (recv/irecv), the sum over the matching operations of a batch_isend_irecv."""
+    if name in (direction, "i" + direction):
         return tensor_bytes(first)
     if name == "batch_isend_irecv" and isinstance(first, (list, tuple)):
-        return sum(tensor_bytes(p.tensor) for p in first if getattr(p.op, "__name__", "") == "isend")
+        return sum(tensor_bytes(p.tensor) for p in first if getattr(p.op, "__name__", "") == "i" + direction)
     return 0
 
 
@@ -137,7 +141,8 @@ def _call_recorded(name: str, function, args: tuple, kwargs: dict, beneath: bool
     operands = args[1:] if method else args
     first = operands[0] if operands else next(iter(kwargs.values()), None)
     call = Call(_entered, name, tensor_bytes(first), beneath or bool(kwargs.get("async_op", False)), _phase,
-                sent_bytes(name, first), depth > 0, src=broadcast_source(name, operands, kwargs, beneath))
+                point_to_point_bytes(name, first, "send"), point_to_point_bytes(name, first, "recv"), depth > 0,
+                src=broadcast_source(name, operands, kwargs, beneath))
     CALLS.append(call)
     if _progress is not None:
         _progress.write(f"{call.seq} {name}\n")

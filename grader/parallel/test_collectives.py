@@ -6,13 +6,16 @@ Every rank's inputs are built here, in the grader's process, from each case's se
 the shared arguments describe the cases without their seeds. The program `run_cases` runs in each rank: it calls the
 student's collective and snapshots the recorded calls. Here every rank's result must equal what the grader computes
 from all ranks' inputs, exactly: float32 inputs are multiples of 1/8 below 64 in magnitude, so every order of
-summation is exact. Then the recorded calls must be point-to-point only, and the bytes each rank sent must stay within
-the collective's bound.
+summation is exact. Then the recorded calls must be point-to-point only, and the bytes each rank sent and received
+through them must lie within the collective's bounds: upper bounds of the algorithms the contract names, and lower
+bounds that every correct algorithm of point-to-point messages meets, so that data carried any other way (through the
+c10d store, say) fails even with the right values.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import pytest
 import torch
@@ -100,7 +103,7 @@ def run_cases(student, rank: int, world_size: int, cases: list[dict], subgroups:
         except Exception as error:  # noqa: BLE001 - reported with the case; the peers then fail in their messages
             results.append({"error": f"{type(error).__name__}: {error}"})
             return results  # stop: this rank's messages no longer match its peers'
-        outcome["calls"] = [(c.op, c.sent, c.nested) for c in recorder.CALLS]
+        outcome["calls"] = [(c.op, c.sent, c.received, c.nested) for c in recorder.CALLS]
         outcome["device"] = device.type
         results.append(outcome)
     return results
@@ -219,10 +222,46 @@ def describe(case: dict, world_size: int) -> str:
             + "".join(f", {e}" for e in extras) + f", seed={case['seed']}")
 
 
-def byte_bounds(case: dict, world_size: int) -> tuple[list[int] | None, int | None, str]:
+@dataclass(frozen=True)
+class ByteBounds:
+    """What a collective's ranks may and must move through point-to-point calls, in bytes, each with its rule.
+
+    Upper bounds are those of the algorithms the contract names: per rank, or over all ranks for the trees, whose
+    ranks send different amounts. Lower bounds hold for every correct algorithm whatever its shape (direct, ring or
+    tree) and for any values of the inputs: a rank cannot learn bytes that only other ranks hold without receiving at
+    least as many, nor pass its own on without sending them.
+    """
+
+    most_sent: list[int] | None
+    most_sent_in_all: int | None
+    upper_rule: str
+    least_sent: list[int]
+    least_received: list[int]
+    lower_rule: str
+
+
+def element_bytes(case: dict) -> int:
+    return torch.empty((), dtype=DTYPES[case["dtype"]]).element_size()
+
+
+def chunk_bytes(case: dict, world_size: int) -> list[int]:
+    """Bytes of each chunk of the flattened tensor cut by tensor_split: the first numel % N hold one element more."""
+    numel = math.prod(case["shape"])
+    return [(numel // world_size + (i < numel % world_size)) * element_bytes(case) for i in range(world_size)]
+
+
+def all_to_all_bytes(case: dict, world_size: int) -> tuple[list[int], list[int]]:
+    """(bytes of each rank's pieces for the other ranks, bytes of the other ranks' pieces for each rank)."""
+    sizes, row_bytes = case["split_sizes"], case["width"] * element_bytes(case)
+    others = [[j for j in range(world_size) if j != r] for r in range(world_size)]
+    return ([sum(sizes[r][j] for j in others[r]) * row_bytes for r in range(world_size)],
+            [sum(sizes[j][r] for j in others[r]) * row_bytes for r in range(world_size)])
+
+
+def upper_bounds(case: dict, world_size: int) -> tuple[list[int] | None, int | None, str]:
     """(per-rank limits, limit on the sum over ranks, the rule in words) for the bytes a collective may send."""
     name, n = case["collective"], world_size
-    element = torch.empty((), dtype=DTYPES[case["dtype"]]).element_size()
+    element = element_bytes(case)
     numel = math.prod(case.get("shape", (0,)))
     tensor_bytes = numel * element
     if name == "broadcast":
@@ -243,13 +282,55 @@ def byte_bounds(case: dict, world_size: int) -> tuple[list[int] | None, int | No
     if name == "all_reduce":
         limit = 2 * (n - 1) * math.ceil(numel / n) * element
         return [limit] * n, None, "a ring all-reduce sends at most 2 (N - 1) * ceil(n / N) elements per rank"
-    sizes = case["split_sizes"]
-    limits = [sum(sizes[r][j] for j in range(n) if j != r) * case["width"] * element for r in range(n)]
-    return limits, None, "each rank sends each of its pieces for the other ranks once"
+    return all_to_all_bytes(case, n)[0], None, "each rank sends each of its pieces for the other ranks once"
+
+
+def lower_bounds(case: dict, world_size: int) -> tuple[list[int], list[int], str]:
+    """(least bytes each rank sends, least bytes each rank receives, the rule in words) of any correct algorithm."""
+    name, n = case["collective"], world_size
+    ranks = range(n)
+    if n < 2:
+        return [0] * n, [0] * n, "a single rank has nothing to exchange"
+    if name == "all_to_all":
+        pieces_out, pieces_in = all_to_all_bytes(case, n)
+        return pieces_out, pieces_in, ("each rank must send each of its pieces for the other ranks and receive each "
+                                       "of their pieces for it")
+    if name == "reduce_scatter":
+        chunks = chunk_bytes(case, n)
+        return ([sum(chunks) - chunks[r] for r in ranks], chunks,
+                "each rank's input counts in every other rank's chunk, so it must send at least the bytes of every "
+                "chunk but its own, and receive at least those of its own chunk (the others' share of its result)")
+    b = math.prod(case["shape"]) * element_bytes(case)
+    if name == "all_reduce":
+        return [b] * n, [b] * n, ("every rank's result depends on every other rank's tensor: each rank must send at "
+                                  "least B (its tensor, or partial results that include it) and receive at least B")
+    if name == "all_gather":
+        return [b] * n, [(n - 1) * b] * n, ("each rank must send its piece (b bytes) at least once and receive the "
+                                            "N - 1 pieces it does not hold")
+    root = case["root"]
+    if name == "broadcast":
+        return ([b if r == root else 0 for r in ranks], [0 if r == root else b for r in ranks],
+                "every rank but src must receive the tensor (B bytes), and src, the only rank that holds it, must "
+                "send at least B")
+    if name == "scatter":
+        return ([(n - 1) * b if r == root else 0 for r in ranks], [0 if r == root else b for r in ranks],
+                "each rank but src must receive its piece (b bytes), and src, the only rank that holds the pieces, "
+                "must send the N - 1 of the other ranks")
+    if name == "gather":
+        return ([0 if r == root else b for r in ranks], [(n - 1) * b if r == root else 0 for r in ranks],
+                "each rank but dst must send its tensor (b bytes), the only copy, and dst must receive the N - 1 it "
+                "does not hold")
+    return ([0 if r == root else b for r in ranks], [b if r == root else 0 for r in ranks],
+            "each rank but dst must send at least B (its tensor, or a partial result that includes it, all that a "
+            "tree's inner ranks send), and dst must receive at least B")
+
+
+def byte_bounds(case: dict, world_size: int) -> ByteBounds:
+    return ByteBounds(*upper_bounds(case, world_size), *lower_bounds(case, world_size))
 
 
 def check_only_point_to_point(name: str, rank: int, calls: list, context: str) -> None:
-    for op, _, nested in calls:
+    for op, _, _, nested in calls:
         if not nested and op not in POINT_TO_POINT:
             called = op if op.startswith("torch.") else f"torch.distributed.{op}"
             raise WrongAnswer(f"{name} on rank {rank} called {called}: build every collective from "
@@ -269,20 +350,31 @@ def check_values(name: str, rank: int, got, want, context: str) -> None:
         assert_equal(got, want, what=where, context=context)
 
 
-def check_bytes(case: dict, world_size: int, sent: list[int], context: str) -> None:
-    limits, total_limit, rule = byte_bounds(case, world_size)
+def check_bytes(case: dict, world_size: int, sent: list[int], received: list[int], context: str) -> None:
+    """Each rank's bytes sent and received through point-to-point calls within the collective's bounds: the upper
+    ones first (too many bytes is the commoner mistake), then the lower ones."""
+    bounds = byte_bounds(case, world_size)
     name = case["collective"]
-    for rank, (limit, actual) in enumerate(zip(limits or [], sent)):
+    counts = f"bytes sent by rank: {sent}, received: {received}; {context}"
+    for rank, (limit, actual) in enumerate(zip(bounds.most_sent or [], sent)):
         if actual > limit:
-            raise WrongAnswer(f"{name}: rank {rank} sent {actual} bytes, more than the {limit} allowed: {rule} "
-                              f"(bytes sent by rank: {sent}; {context})")
-    if total_limit is not None and sum(sent) > total_limit:
-        raise WrongAnswer(f"{name}: the ranks sent {sum(sent)} bytes in all, more than the {total_limit} allowed: "
-                          f"{rule} (bytes sent by rank: {sent}; {context})")
+            raise WrongAnswer(f"{name}: rank {rank} sent {actual} bytes, more than the {limit} allowed: "
+                              f"{bounds.upper_rule} ({counts})")
+    if bounds.most_sent_in_all is not None and sum(sent) > bounds.most_sent_in_all:
+        raise WrongAnswer(f"{name}: the ranks sent {sum(sent)} bytes in all, more than the {bounds.most_sent_in_all} "
+                          f"allowed: {bounds.upper_rule} ({counts})")
+    for direction, actual_bytes, least in (("received", received, bounds.least_received),
+                                           ("sent", sent, bounds.least_sent)):
+        for rank, (actual, bound) in enumerate(zip(actual_bytes, least)):
+            if actual < bound:
+                raise WrongAnswer(f"{name}: rank {rank} {direction} {actual} bytes through point-to-point calls, "
+                                  f"below the lower bound of {bound}: {bounds.lower_rule}; data that travels any "
+                                  f"other way does not count ({counts})")
 
 
 def check_cases(cases: list[dict], results: list[list[dict]], world_size: int) -> None:
-    """Every rank's result of every case: point-to-point only, equal to the grader's, then within the byte bounds."""
+    """Every rank's result of every case: point-to-point only, equal to the grader's, then within the byte bounds
+    (lower as well as upper, sent and received)."""
     for index, case in enumerate(cases):
         context = describe(case, world_size)
         expected = expected_results(case, world_size)
@@ -298,8 +390,9 @@ def check_cases(cases: list[dict], results: list[list[dict]], world_size: int) -
             check_values(name, rank, outcome["result"], on_device(expected[rank], outcome.get("device")), context)
             if outcome.get("input_unchanged") is False:
                 raise WrongAnswer(f"{name} changed its input on rank {rank}; leave it unchanged ({context})")
-        sent = [sum(s for _, s, nested in o["calls"] if not nested) for o in outcomes]
-        check_bytes(case, world_size, sent, context)
+        sent = [sum(s for _, s, _, nested in o["calls"] if not nested) for o in outcomes]
+        received = [sum(r for _, _, r, nested in o["calls"] if not nested) for o in outcomes]
+        check_bytes(case, world_size, sent, received, context)
 
 
 # --- strategies and tests ---------------------------------------------------------------------------------------

@@ -15,8 +15,10 @@ Rules for every function of this module:
     dtypes. Tensors are contiguous and live on this rank's device (CPU with gloo, the rank's GPU with NCCL).
   * op is `dist.ReduceOp.SUM` or `dist.ReduceOp.MAX`; any other op raises ValueError.
   * Never send to yourself (copy locally instead), and send each piece of data only as often as the stated
-    byte bound allows: the grader sums the bytes of every send/isend (and of the isends in
-    batch_isend_irecv) per rank.
+    byte bound allows: the grader sums the bytes of every send/isend and recv/irecv (and of those in
+    batch_isend_irecv) per rank. It also holds each rank to a lower bound, what any correct algorithm must
+    move through those calls (a rank that needs data only others hold receives at least that many bytes):
+    data carried any other way does not count.
   * Invalid arguments raise ValueError on every rank, before any communication: src/dst outside [0, N), an
     unsupported op, a tensor list whose length is not N (checked on the rank that uses the list), list tensors
     whose shape or dtype differs from `tensor`'s (scatter, gather, all_gather), a reduce_scatter output of the
