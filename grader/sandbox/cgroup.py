@@ -10,14 +10,13 @@ neither is offered (a non-root grader, most often) the per-process limits of gra
 from __future__ import annotations
 
 import functools
-import itertools
 import os
+import secrets
 import signal
 import time
 from pathlib import Path
 
 CGROUP_ROOT = Path("/sys/fs/cgroup")
-_names = itertools.count()
 
 
 def own_cgroup(controller: str | None) -> str:
@@ -53,7 +52,8 @@ class ControlGroup:
 
     def __init__(self, max_tasks: int, max_memory_bytes: int):
         self.folders = []
-        name = f"gpu-systems-sandbox-{os.getpid()}-{next(_names)}"
+        # A random name: a process id is reused, and a grader killed before close() leaves its groups behind.
+        name = f"gpu-systems-sandbox-{os.getpid()}-{secrets.token_hex(6)}"
         for controller, parent in (parents() or {}).items():
             folder = parent / name
             folder.mkdir()
