@@ -333,6 +333,7 @@ def with_hostile_softmax(tmp_path: Path, variant: str) -> Path:
 @pytest.mark.parametrize("variant, fragments", [
     ("computes_in_numpy", ("kernels/softmax.py:5: imports ctypes", "kernels/softmax.py:7: imports numpy")),
     ("disables_dispatch", ("kernels/softmax.py:18: reads torch._C", "private and dunder attributes")),
+    ("pops_the_modes", ("kernels/softmax.py:7: imports torch.utils._python_dispatch",)),
     ("compiled_as_triton", ("kernels/softmax.py:15: uses exec", "kernels/softmax.py:15: uses compile")),
     ("rewrites_reply", ("kernels/softmax.py:5: imports sys",)),
     ("reaches_globals", ("kernels/softmax.py:10: reads torch.Tensor.tolist.__globals__",)),

@@ -5,7 +5,9 @@ reimplements leaves every other route open (log_softmax then exp, cumsum, a broa
 the rule is an allowlist: while a Triton problem's function (and its backward) runs, each aten operator must be one
 of ALLOWED_OPS, or be called by Triton's own code (the interpreter copies tensors to and from the host; an autotuner
 times its configurations). Reading a tensor's values into Python or numpy (`.numpy()`, `.tolist()`, `.item()`) is
-refused the same way. An in-process check: it names an honest shortcut, not code that disables it.
+refused the same way. The allowlist is held twice in the worker: by the Python-level operator recorder
+(grader.sandbox.guards), and at torch's dispatcher (grader.sandbox.dispatch_gate), which switching Python dispatch off
+does not reach.
 """
 
 from __future__ import annotations

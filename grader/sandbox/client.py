@@ -28,6 +28,7 @@ from grader.checks.outcomes import (
     StudentError,
     StudentTimedOut,
 )
+from grader.sandbox import gpu_kernels
 from grader.sandbox.isolation import Isolation, Mounts
 from grader.sandbox.wire import MAX_REPLY_BYTES, ReplyRefused, decode_reply, encode, read_tail, too_long
 from grader.session.budget import TestBudget
@@ -84,6 +85,21 @@ def check_triton_traffic(reply: dict, what: str, context: str = "") -> None:
     if reply.get("unread"):
         raise RuleViolation(f"{what}'s Triton kernels never read some of its inputs ({listed(reply['unread'], '; ')}): "
                             f"the kernels must load every input they compute from{where}")
+
+
+def check_gpu_trace(reply: dict, what: str) -> None:
+    """The GPU's own record of the call (grader.sandbox.gpu_kernels): every Triton kernel the launch hook reported
+    ran on it, and nothing else computed there."""
+    kernels = reply["gpu_kernels"]
+    launched = reply["launches"] + reply.get("backward_launches", [])  # the trace spans both passes
+    never_ran = sorted({name for name in launched if not gpu_kernels.ran(kernels, name)})
+    if never_ran:
+        raise RuleViolation(f"{what} reported launches of {listed(never_ran)} that the GPU never ran (its trace "
+                            f"holds {listed(kernels[:4])})")
+    others = gpu_kernels.computing(kernels, launched)
+    if others:
+        raise RuleViolation(f"{what} ran kernels other than its Triton kernels on the GPU ({listed(others[:2], '; ')}): "
+                            "here torch may only allocate, view and copy tensors, and the values are your kernels' work")
 
 
 class ReplyConnection(Connection):
@@ -249,6 +265,8 @@ class Sandbox:
         if reply.get("computed") and not reply.get("empty_input"):
             raise RuleViolation(f"{what} computed with {listed(reply['computed'])} outside a Triton kernel: here "
                                 "torch may only allocate, view and copy tensors, and the values are your kernels' work")
+        if launches_needed and reply.get("gpu_kernels") is not None:
+            check_gpu_trace(reply, what)
         if not reply.get("empty_input"):
             check_triton_traffic(reply, what)
 

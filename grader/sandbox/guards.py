@@ -134,6 +134,21 @@ def torch_compute_allowed():
 _ACTIVE_RECORDERS: list[ForbiddenOpRecorder] = []
 
 
+def note_computed_at_dispatcher(op_name: str) -> None:
+    """What grader.sandbox.dispatch_gate's kernels call for each operator outside the allowlist: noted in every
+    active allowlist recorder, whether or not Python dispatch reached them."""
+    for recorder in _ACTIVE_RECORDERS:
+        if recorder.allow_only is not None:
+            recorder.note_computed(op_name)
+
+
+def gate_compute_at_dispatcher() -> None:
+    """Hold the allowlist below Python dispatch too, for the rest of the process (see grader.sandbox.dispatch_gate)."""
+    from grader.sandbox import dispatch_gate
+
+    dispatch_gate.install(note_computed_at_dispatcher)
+
+
 class _ForwardToActiveRecorders(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         for recorder in list(_ACTIVE_RECORDERS):
@@ -142,18 +157,22 @@ class _ForwardToActiveRecorders(TorchDispatchMode):
 
 
 def watch_value_reads() -> None:
-    """Make every read of a tensor's values into Python or numpy (`.numpy()`, `np.asarray(t)`, `.tolist()`) known to
-    the allowlist recorders active at that moment (`.item()` is an operator, aten._local_scalar_dense)."""
-    for name in ("numpy", "__array__", "tolist"):
-        original = getattr(torch.Tensor, name)
+    """Make every read of a tensor's values into Python or numpy (`.numpy()`, `np.asarray(t)`, `.tolist()`, and the
+    same through its storage: `t.untyped_storage().tolist()`, `storage[i]`) known to the allowlist recorders active at
+    that moment (`.item()` is an operator, aten._local_scalar_dense)."""
+    readers = [(torch.Tensor, name) for name in ("numpy", "__array__", "tolist")]
+    readers += [(storage, name) for storage in (torch.UntypedStorage, torch.TypedStorage)
+                for name in ("tolist", "__getitem__")]
+    for owner, name in readers:
+        original = getattr(owner, name)
 
-        def reading(self, *args, _original=original, _name=name, **kwargs):
+        def reading(self, *args, _original=original, _name=f"{owner.__name__}.{name}()", **kwargs):
             for recorder in list(_ACTIVE_RECORDERS):
                 if recorder.allow_only is not None:
-                    recorder.note_computed(f"Tensor.{_name}()")
+                    recorder.note_computed(_name)
             return _original(self, *args, **kwargs)
 
-        setattr(torch.Tensor, name, reading)
+        setattr(owner, name, reading)
 
 
 def record_every_thread(student_dir: Path) -> None:

@@ -24,7 +24,7 @@ from pathlib import Path
 
 import torch
 
-from grader.sandbox import guards
+from grader.sandbox import gpu_kernels, guards
 from grader.sandbox.allowed_ops import ALLOWED_OPS
 from grader.sandbox.triton_traffic import TRAFFIC
 from grader.sandbox.wire import decode, encode, to_plain
@@ -66,6 +66,7 @@ class Worker:
         self.allow_only = ALLOWED_OPS if start.get("uses_triton") else None
         if self.allow_only is not None:
             guards.watch_value_reads()
+            guards.gate_compute_at_dispatcher()
         self.launches = None
         if backend.interpreting() or start.get("uses_triton"):
             from grader.sandbox import triton_hooks
@@ -79,7 +80,7 @@ class Worker:
         guards.record_every_thread(impl.path)
         self.tampering = guards.Tampering(
             guards, guards.ForbiddenOpRecorder, guards._ForwardToActiveRecorders, threading.Thread, Worker,
-            sys.modules[__name__], timing, timing.Timer,
+            sys.modules[__name__], timing, timing.Timer, gpu_kernels,
             *((triton_hooks_module(), type(self.launches)) if self.launches is not None else ()),
         )
         self.impl_dir = impl.path
@@ -122,14 +123,18 @@ class Worker:
         return {"status": "ok", "value": to_plain(value), "grads": grads, **observed}
 
     @contextlib.contextmanager
-    def watched(self):
-        """Records the Triton launches and forbidden operators of the code inside; fills the yielded dict with them."""
+    def watched(self, gpu_traced: bool = True):
+        """Records the Triton launches and forbidden operators of the code inside; fills the yielded dict with them.
+        `gpu_traced=False` leaves out the GPU trace: the timer's own kernels (its spin, its cache flush) run inside."""
         if self.launches is not None:
             self.launches.reset()
         recorder = guards.ForbiddenOpRecorder(self.forbidden_ops, self.allow_only)
         observed = {}
-        with recorder:
+        # On a GPU, a Triton problem's call is also traced by the GPU's own activity records (see gpu_kernels).
+        gpu_trace = [] if gpu_traced and self.allow_only is not None and torch.cuda.is_available() else None
+        with recorder, gpu_kernels.traced(gpu_trace) if gpu_trace is not None else contextlib.nullcontext():
             yield observed
+        observed["gpu_kernels"] = gpu_trace
         observed["launches"] = list(self.launches.names) if self.launches is not None else []
         observed["forbidden"] = recorder.seen
         observed["computed"] = recorder.computed
@@ -167,7 +172,7 @@ class Worker:
             milliseconds, self.last_output = self.timer.time_ms(function, args)
             return {"status": "ok", "value": milliseconds, "launches": ["(not recorded)"], "forbidden": [],
                     "tampered": self.tampering.changed()}
-        with self.watched() as observed:
+        with self.watched(gpu_traced=False) as observed:
             milliseconds, self.last_output = self.timer.time_ms(function, args)
         return {"status": "ok", "value": milliseconds, **observed}
 
