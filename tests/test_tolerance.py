@@ -79,3 +79,19 @@ def test_a_wrong_average_still_fails():
         assert "gradient after step 1" in str(failure)
     else:
         raise AssertionError("doubled gradients passed")
+
+
+def test_exact_zeros_pass_where_the_truth_is_zero_and_the_reference_rounds():
+    """A gradient that is exactly zero in truth (one key per query: the softmax is 1 whatever the score), which a
+    float32 reference returns as rounding noise: the exact answer passes, a constant where the truth varies does not."""
+    zeros64 = torch.zeros(4, 8, dtype=torch.float64)
+    noise = torch.randn(4, 8, generator=torch.Generator().manual_seed(0)) * 1e-7
+    assert_close(torch.zeros(4, 8), zeros64, noise, what="dq", context="w=1", multiple=2, floor_ulps=8)
+    varying64 = torch.linspace(-1, 1, 32, dtype=torch.float64).reshape(4, 8)
+    try:
+        assert_close(torch.zeros(4, 8), varying64, varying64.float(), what="dq", context="w=1", multiple=2,
+                     floor_ulps=8)
+    except WrongAnswer as failure:
+        assert "expected output is not constant" in str(failure)
+    else:
+        raise AssertionError("a constant output passed where the truth varies")
