@@ -98,8 +98,9 @@ def check_gpu_trace(reply: dict, what: str) -> None:
                             f"holds {listed(kernels[:4])})")
     others = gpu_kernels.computing(kernels, launched)
     if others:
-        raise RuleViolation(f"{what} ran kernels other than its Triton kernels on the GPU ({listed(others[:2], '; ')}): "
-                            "here torch may only allocate, view and copy tensors, and the values are your kernels' work")
+        raise RuleViolation(f"{what} ran kernels other than its Triton kernels on the GPU "
+                            f"({listed(others[:2], '; ')}): here torch may only allocate, view and copy tensors, "
+                            "and the values are your kernels' work")
 
 
 class ReplyConnection(Connection):

@@ -51,7 +51,8 @@ def _as_wrapped(number, beside: torch.dtype | None) -> torch.Tensor:
         dtype = beside
     else:
         default = torch.get_default_dtype()
-        dtype = (torch.bool, torch.int64, default, torch.complex128 if default == torch.float64 else torch.complex64)[kind]
+        complex_default = torch.complex128 if default == torch.float64 else torch.complex64
+        dtype = (torch.bool, torch.int64, default, complex_default)[kind]
     return torch.tensor(number, dtype=dtype)
 
 
