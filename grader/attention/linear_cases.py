@@ -14,8 +14,9 @@ tolerance (grader.checks.compare).
 The probe runs a student's form in the worker (`student.run_program`) and records what the grader's rules are about:
 in the chunked forward, every aten operator outside the allowlist of allocation, views and copies
 (grader.sandbox.allowed_ops), the Triton launches and what they read and wrote (grader.sandbox.triton_traffic); in
-both passes, every tensor larger than the chunked algorithm needs (a T x T matrix, a state per step). These are
-in-process observations: they name an honest mistake, not code that hides from them.
+both passes, the number of launches (a few per chunk at most: `check_launch_count`) and every tensor larger than the
+chunked algorithm needs (a T x T matrix, a state per step). These are in-process observations: they name an honest
+mistake, not code that hides from them.
 """
 
 from __future__ import annotations
@@ -364,7 +365,31 @@ def run_form(student, case: LinearCase, form: str, tensors: dict, backward: bool
             grader_work, f"{__name__}:probe", function, arg_names(case), call_args(case, tensors), kwargs,
             upstream_of(case, tensors) if backward else None, chunked, limit, case.seq, forbidden_ops)
     check_rules(report, shown, chunked, backward, case.describe())
+    if chunked:
+        check_launch_count(report, case, shown)
     return report, grader_value
+
+
+# Triton launches one pass of a chunked form may make: a few per chunk (a kernel per chunk for a walk over the
+# chunks is slow but chunked) plus a few for the whole call. One launch per token exceeds it once T is a few times
+# LAUNCHES_PER_CHUNK * chunks + LAUNCHES_PER_CALL, as in the tests that draw T of 129 and more with C = 16.
+LAUNCHES_PER_CHUNK = 4
+LAUNCHES_PER_CALL = 8
+
+
+def check_launch_count(report: dict, case: LinearCase, shown: str) -> None:
+    """Each pass of the chunked form launches at most LAUNCHES_PER_CHUNK kernels per chunk plus LAUNCHES_PER_CALL:
+    work launched per token is a recurrence, whatever the kernels inside it compute."""
+    chunks = -(-case.seq // case.chunk_size)
+    bound = LAUNCHES_PER_CHUNK * chunks + LAUNCHES_PER_CALL
+    for direction, launches in (("forward", report["forward_launches"]), ("backward", report["backward_launches"])):
+        if len(launches) > bound:
+            counted = ", ".join(f"{launches.count(name)} x {name}" for name in dict.fromkeys(launches))
+            raise RuleViolation(
+                f"{shown} made {len(launches)} Triton launches in its {direction} ({counted}) for T = {case.seq} "
+                f"tokens in {chunks} chunks of {case.chunk_size}; at most {bound} are allowed ({LAUNCHES_PER_CHUNK} "
+                f"per chunk + {LAUNCHES_PER_CALL}): launching per token runs the recurrence, not the chunked form "
+                f"({case.describe()})")
 
 
 def check_rules(report: dict, shown: str, chunked: bool, backward: bool, context: str) -> None:

@@ -35,13 +35,13 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_availab
 
 
 @examples(PROBLEM)
-@given(case=linear_cases(LINEAR_ATTENTION, (torch.float32,)))
+@given(case=linear_cases(LINEAR_ATTENTION, DTYPES))
 def test_parallel_form(student, reference, case):
     checks.check_form(student, reference, PROBLEM, case, "parallel")
 
 
 @examples(PROBLEM)
-@given(case=linear_cases(LINEAR_ATTENTION, (torch.float32,)))
+@given(case=linear_cases(LINEAR_ATTENTION, DTYPES))
 def test_recurrent_form(student, reference, case):
     checks.check_form(student, reference, PROBLEM, case, "recurrent")
 
@@ -76,7 +76,7 @@ def test_backward(student, reference, case):
 
 @examples(PROBLEM, 0.5)
 @example(case=WORKED)
-@given(case=linear_cases(LINEAR_ATTENTION, (torch.float32,)))
+@given(case=linear_cases(LINEAR_ATTENTION, DTYPES))
 def test_forms_agree(student, reference, case):
     checks.check_forms_agree(student, reference, PROBLEM, case)
 

@@ -29,7 +29,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_availab
 
 
 @examples(PROBLEM)
-@given(case=linear_cases(MAMBA2, (torch.float32,)))
+@given(case=linear_cases(MAMBA2, DTYPES))
 def test_recurrent_form(student, reference, case):
     checks.check_form(student, reference, PROBLEM, case, "recurrent")
 
@@ -64,7 +64,7 @@ def test_backward(student, reference, case):
 
 @examples(PROBLEM, 0.5)
 @example(case=WORKED)
-@given(case=linear_cases(MAMBA2, (torch.float32,)))
+@given(case=linear_cases(MAMBA2, DTYPES))
 def test_forms_agree(student, reference, case):
     checks.check_forms_agree(student, reference, PROBLEM, case)
 

@@ -39,7 +39,8 @@ class GatedDeltaNetFunction(torch.autograd.Function):
     may hold the state of every token (more than ceil(T / C) + 1 states of [K, V] per (batch, head)).
     Kernels read their inputs and write their outputs themselves (pass pointers and strides, or contiguous copies).
     Tiles: no block in any of your kernels (a Triton tensor of two or more dimensions, e.g. a [C, C] matrix of the
-    chunk or a [K, BLOCK_V] slice of the state) may be longer than 128 along any dimension.
+    chunk or a [K, BLOCK_V] slice of the state) may be longer than 128 along any dimension. Each pass makes at
+    most 4 Triton launches per chunk plus 8 (never one per token).
     """
 
     @staticmethod
@@ -70,6 +71,15 @@ def gated_deltanet_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g:
         final_state[b, h] = S_T
     The keys are L2-normalised by the caller: do not normalise q or k, and do not scale q (the recurrence is defined
     for any k; the grader draws unit-norm keys).
+
+    If you read the Gated DeltaNet paper: its state is d_v x d_k, S_t = S_{t-1} alpha_t (I - beta_t k_t k_t^T)
+    + beta_t v_t k_t^T, read out as o_t = S_t q_t, with alpha_t in (0, 1). Here the state is its transpose, [K, V]
+    per (batch, head), read out as o_t = S_t^T q_t, and g_t = log alpha_t: the decay is exp(g_t), never g_t itself.
+    A state kept [V, K] gets the wrong shape of final_state in the worked example of test_chunked_fp32 (K = 16,
+    V = 32, an initial state given); g used as alpha (a negative "decay") fails test_recurrent_form and
+    test_chunked_fp32. If you read flash-linear-attention's `chunk_gated_delta_rule`: the same [K, V] state and
+    log-space g, but it scales q by K^-1/2 unless told otherwise; here q is used as given (the grader draws q
+    already scaled), and a second scaling fails the same tests.
 
     The chunked form, chunk by chunk (C = chunk_size; the last chunk may be shorter: mask it). Within a chunk, let b
     be the cumulative sum of g from the chunk's first token (b_i = g_1 + ... + g_i), S the state at the chunk's

@@ -57,7 +57,9 @@ class LinearAttentionFunction(torch.autograd.Function):
     nor a stack of per-token states: at most ceil(T / C) + 1 states of shape [K, V] per (batch, head) in any tensor.
     The forward's kernels, and the backward's if you write it in Triton, must read their inputs and write their
     outputs themselves (the grader records the memory traffic of every kernel launched). No block in any of your
-    kernels (a Triton tensor of two or more dimensions) may be longer than 128 along any dimension.
+    kernels (a Triton tensor of two or more dimensions) may be longer than 128 along any dimension. Each pass makes
+    at most 4 Triton launches per chunk plus 8 (a launch per chunk is slow but allowed; a launch per token is the
+    recurrence, not the chunked form).
     """
 
     @staticmethod

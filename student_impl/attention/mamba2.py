@@ -36,16 +36,26 @@ class Mamba2Function(torch.autograd.Function):
         (loops over chunks, batched over batch and heads, never over single tokens' states). dq, dk and dv have the
         shapes and dtypes of q, k and v; dg is float32 of g's shape; d_initial_state is float32 [B, H, K, V], or
         None when initial_state was None; the last None is chunk_size's.
-        For dg, derive it yourself and check it against autograd of a float64 loop: g enters only through the
-        cumulative log decay B_t = g_1 + ... + g_t, so dg_t = sum_{s >= t} dL/dB_s; dL/dB_s can be written from
-        q_s . dq_s and k_s . dk_s (and the final state's gradient). Beware of cancellation when g is very
-        negative: terms of size 1 that cancel exactly leave float32 rounding errors far larger than the true,
-        tiny dg.
+        dg without cancellation: g_t scales exactly those terms of o and of the final state that carry a key
+        from before token t to token t or later, so dg_t is the sum of those terms' gradients. For t in chunk c,
+        with dS_next the gradient reaching the chunk's S_next (grad_final_state for the last chunk, and for an
+        earlier chunk the gradient of the state entering the next one) and <X, Y> the sum of X * Y:
+            dg_t = sum_{i >= t} exp(b_i) q_i^T S_prev dO_i                                  (i in the chunk)
+                 + sum_{i >= t} sum_{j < t} exp(b_i - b_j) (q_i . k_j) (dO_i . v_j)         (i, j in the chunk)
+                 + exp(b_L) <dS_next, S_prev> + sum_{j < t} exp(b_L - b_j) k_j^T dS_next v_j
+        that is, a reverse cumulative sum over the chunk, the sum over the pairs (i, j) of the [C, C] block that
+        straddle t, one inner product per chunk, and a cumulative sum. Every term is one the loss really depends
+        on through g_t. The shorter route, dg_t as the reverse cumulative sum of q_s . dq_s - k_s . dk_s (plus the
+        final state's term), is exact algebra but not in float32: the diagonal terms (q_s . k_s)(dO_s . v_s), of
+        size 1, enter both products and cancel only to rounding, an error far larger than the true dg when the
+        decay is strong (and nonzero where dg is exactly 0, as at the first token without an initial state).
+        Check your dg against autograd through a float64 loop of the recurrence.
 
     Neither pass may build a tensor with two dimensions of length T (a T x T score, decay or mask matrix), nor a
     stack of per-token states (more than ceil(T / C) + 1 states of [K, V] per (batch, head) alive at once).
     Kernels read their inputs and write their outputs themselves (the grader records the memory traffic of your
     kernels): no block (a Triton tensor of two or more dimensions) may be longer than 128 along any dimension.
+    Each pass makes at most 4 Triton launches per chunk plus 8 (never one per token).
     """
 
     @staticmethod
@@ -85,10 +95,19 @@ def mamba2_chunked(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.T
         o_t = S_t^T q_t                                                           (token t's own k_t v_t^T included)
         final_state = S_T
     No feature map is applied and q is not scaled: the caller does both. Values g_t > 0 are outside the contract
-    (not checked). The result must not depend on chunk_size beyond rounding. It must stay finite and accurate
-    when g is strongly negative over many steps (g = -20 at every one of T = 4096 tokens, say) and when g = 0
-    exactly (no decay). torch.nn.functional.scaled_dot_product_attention must not be used. See Mamba2Function
-    for what torch may do in each pass and for the limits on memory and tiles.
+    (not checked). The result must not depend on chunk_size beyond rounding. It must stay finite and accurate when g
+    is strongly negative over many steps (g = -20 at every one of T = 4096 tokens, say) and when g = 0 exactly (no
+    decay). torch.nn.functional.scaled_dot_product_attention must not be used. See Mamba2Function for what torch may
+    do in each pass and for the limits on memory and tiles.
+
+    If you read mamba_ssm (`mamba_chunk_scan_combined(x, dt, A, B, C, ...)`): its C, B, x are q, k, v here, and
+    its log decay dt_t A is g_t here. Three differences, each failing the worked example of test_chunked_fp32
+    (K = 16, V = 32, an initial state given) and test_recurrent_form:
+      - no dt scaling of the input: mamba_ssm writes dt_t B_t x_t^T, here k_t v_t^T is written as given (the
+        caller folds dt into k or v);
+      - no D skip: mamba_ssm adds D x_t to its output, here o_t = S_t^T q_t only (the caller adds the skip);
+      - the state's orientation: mamba_ssm's states are (batch, nheads, headdim, dstate), that is [V, K]; here
+        initial_state and final_state are [B, H, K, V] (the other one has the wrong shape whenever K != V).
 
     Args:
         q, k: [B, H, T, K]; v: [B, H, T, V]. One dtype, float32, float16 or bfloat16. K and V each one of 16, 32,
