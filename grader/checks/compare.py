@@ -22,6 +22,17 @@ import torch
 from grader.checks.outcomes import WrongAnswer
 
 
+def _relative(error: float, expected: float, scale: float) -> str:
+    """The error against the expected value, or, where that is 0 (a relative error would read "inf"), against the
+    largest expected magnitude, which is what the floor is measured against: a small value computed as the difference
+    of large ones carries their rounding."""
+    if expected:
+        return f"relative {error / abs(expected):.3g}"
+    if scale:
+        return f"the expected value is 0 there; the error is {error / scale:.3g} of the largest |expected| {scale:.3g}"
+    return "the expected value is 0 there"
+
+
 def _where(index: int, shape: torch.Size) -> tuple[int, ...]:
     coords = []
     for size in reversed(shape):
@@ -123,11 +134,11 @@ def assert_close(
     worst_error = float(error.flatten()[worst])
     if worst_error > bound:
         expected_value = float(r64.flatten()[worst])
-        relative = worst_error / abs(expected_value) if expected_value else float("inf")
         count = int((error > bound).sum())
         raise WrongAnswer(
             f"{what}: {count} of {s.numel()} values out of tolerance; largest error {worst_error:.3g} "
-            f"(relative {relative:.3g}) at {_where(worst, s.shape)}: got {float(s.flatten()[worst]):.6g}, "
+            f"({_relative(worst_error, expected_value, scale)}) at {_where(worst, s.shape)}: "
+            f"got {float(s.flatten()[worst]):.6g}, "
             f"expected {expected_value:.6g}; allowed {bound:.3g} = {multiple:g} x reference error "
             f"{reference_error:.3g} + {floor_ulps:g} ulp x scale {scale:.3g} ({context})"
             + whole_values(s, r64)
