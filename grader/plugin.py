@@ -19,7 +19,7 @@ import torch
 from assignment import registry
 from assignment.registry import Problem, problem_for_test_module
 from grader import expectations
-from grader.checks import answers, profiles, stubs
+from grader.checks import answers, marks, profiles, stubs
 from grader.checks.inert import inert
 from grader.checks.outcomes import NotImplementedByStudent, RuleViolation
 from grader.cluster import site
@@ -27,7 +27,7 @@ from grader.cluster.snapshot import BadSubmission, snapshot
 from grader.distributed.launcher import RankJob, launcher_for
 from grader.sandbox import isolation, policy, source_policy
 from grader.sandbox.client import Sandbox
-from grader.session import backend, budget, lanes, outer_timeout, reference_lock, seal
+from grader.session import backend, budget, dump, lanes, outer_timeout, reference_lock, seal
 from grader.session.context import Context, current, secret_seed, set_current, take_secret_seed
 from grader.session.outer_timeout import pytest_timeout_set_timer  # pytest-timeout's hook, owned here
 from grader.session.packages import PackageSpec, load_problem_module, resolve
@@ -50,6 +50,11 @@ SOURCE_VIOLATIONS = pytest.StashKey[dict]()
 # Per problem: when its first test started and its last one ended (wall clock, for the results file).
 PROBLEM_SPAN = pytest.StashKey[dict]()
 EXPECTATIONS = pytest.StashKey[expectations.Store | None]()
+# --dump-failing's folder, and the problems whose failing call this process saved there.
+DUMP_FOLDER = pytest.StashKey[Path]()
+DUMPED = pytest.StashKey[set]()
+# Per problem collected on a machine without a GPU: the dtypes its tests draw on a GPU only (grader.checks.marks).
+GPU_ONLY_DTYPES = pytest.StashKey[dict]()
 # The node ids graded in other processes (lanes of --jobs, the students' copy's GPU lane): pytest printed none of
 # their failures here.
 GRADED_ELSEWHERE = pytest.StashKey[set]()
@@ -64,6 +69,7 @@ __all__ = [
     "pytest_report_teststatus",
     "pytest_timeout_set_timer",
     "pytest_runtest_setup",
+    "pytest_runtest_setup_expectations",
     "pytest_runtest_makereport",
     "pytest_terminal_summary",
     "pytest_sessionfinish",
@@ -131,6 +137,10 @@ def pytest_addoption(parser: pytest.Parser) -> None:
                     help="check each problem's source against its family's rules before any of it runs (on, the "
                          "default); off only tests the runtime guards behind the policy, and the grading profile "
                          "refuses it (env GRADER_SOURCE_POLICY)")
+    group.addoption("--dump-failing", default=None, metavar="DIR",
+                    help="for each problem's first failing test that called your function, save that call's inputs "
+                         "in DIR (torch.save) with a three-line Python file that calls your function on them again: "
+                         "DIR/<problem>__<test>.pt and .py")
     group.addoption("--results-nonce", default="",
                     help="a grading job's nonce, signed into the results with the key in GRADER_RESULTS_KEY_FILE")
 
@@ -210,11 +220,22 @@ def pytest_configure(config: pytest.Config) -> None:
     config.stash[PROBLEM_SPAN] = {}
     config.stash[GROUP_SIZES] = {}
     config.stash[STARTED] = time.monotonic()
+    if config.getoption("--dump-failing"):
+        config.stash[DUMP_FOLDER] = dump_folder(Path(config.getoption("--dump-failing")))
+        config.stash[DUMPED] = set()
     if not shows_every_failure(config):
         # pytest's own failure sections go: the summary prints one line per failure and the first of each problem in
         # full (see grader.session.report.failure_summary).
         config.option.tbstyle = "no"
         config.option.reportchars = config.option.reportchars.replace("f", "").replace("F", "")
+
+
+def dump_folder(given: Path) -> Path:
+    folder = given.resolve()
+    if folder.exists() and not folder.is_dir():
+        raise pytest.UsageError(f"--dump-failing {given}: not a folder")
+    folder.mkdir(parents=True, exist_ok=True)
+    return folder
 
 
 def secret_paths() -> dict[str, Path]:
@@ -308,6 +329,10 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     teaching_order = {problem.id: index for index, problem in enumerate(registry.PROBLEMS)}
     items.sort(key=lambda item: teaching_order.get(getattr(problem_of(item), "id", None), len(teaching_order)))
     lock_reference(config, items)
+    if current().device.type != "cuda":
+        test_modules = {problem_of(item).id: Path(item.module.__file__) for item in items if problem_of(item)}
+        config.stash[GPU_ONLY_DTYPES] = {problem_id: marks.dtypes_drawn_on_gpu_only(path)
+                                         for problem_id, path in test_modules.items()}
     if current().profile != "grading":
         return
     seed = secret_seed()
@@ -354,7 +379,8 @@ def reference(request: pytest.FixtureRequest, problem: Problem):
 def sandbox_for(config: pytest.Config, problem: Problem) -> Sandbox:
     """The student's module of `problem`, behind a worker process under that problem's rules."""
     context = current()
-    return Sandbox(
+    kind = dump.RecordingSandbox if DUMP_FOLDER in config.stash else Sandbox
+    return kind(
         problem.id,
         context.graded,
         context.reference,
@@ -555,6 +581,22 @@ def pytest_runtest_setup(item: pytest.Item) -> None:
         raise RuleViolation(violations_text(found))  # before the worker starts or the ranks launch
 
 
+@pytest.hookimpl(specname="pytest_runtest_setup")
+def pytest_runtest_setup_expectations(item: pytest.Item) -> None:
+    """Read the problem's stored expectations before its fixtures are set up, so that a problem they lack is "not
+    graded" in every one of its tests (raised from a fixture, pytest 9.1 and later fail its next tests with an
+    AssertionError). Not tryfirst, unlike pytest_runtest_setup: a test skipped on this machine stays skipped."""
+    problem = problem_of(item)
+    store = item.config.stash[EXPECTATIONS]
+    if problem is None or store is None or store.mode != "replay":
+        return
+    if not store.file(problem.id).exists():
+        raise expectations.DrawsDiffer(
+            f"the stored expectations in {store.folder} hold none for {problem.id} (a students' copy released "
+            "without this problem): it is graded on submission")
+    store.problem(problem.id)
+
+
 def runs_student_code(item: pytest.Item) -> bool:
     """Whether the test runs the problem's module (an analysis question's answer sheet is read as data instead)."""
     return not {"student", "ranks"}.isdisjoint(getattr(item, "fixturenames", ()))
@@ -634,12 +676,29 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
             report.longrepr = result.message
         else:
             report.longrepr = result.detail = "\n".join(
-                part for part in (f"[{result.status}] {result.message}", notes, reproduce_hint(item)) if part
+                part for part in (f"[{result.status}] {result.message}", notes, reproduce_hint(item),
+                                  dumped_call(item, problem, result.status)) if part
             )
     item.config.stash[RESULTS][item.nodeid] = result
     record_for_parent(item.config, ("result", result, item.config.stash[PROBLEM_SPAN][problem.id]))
     if PROGRESS in item.config.stash:
         item.config.stash[PROGRESS].test_finished(problem.id, result.status)
+
+
+def dumped_call(item: pytest.Item, problem: Problem, status: str) -> str:
+    """With --dump-failing, at the problem's first failing test that called the student's function (in this process):
+    save that call (grader.session.dump) and say how to run it; "" otherwise."""
+    config = item.config
+    sandbox = getattr(item, "funcargs", {}).get("student")
+    if (DUMP_FOLDER not in config.stash or problem.id in config.stash[DUMPED] or expectations.in_gpu_lane()
+            or status == expectations.DrawsDiffer.status or not isinstance(sandbox, dump.RecordingSandbox)
+            or sandbox.last_call is None):
+        return ""
+    config.stash[DUMPED].add(problem.id)
+    context = current()
+    path = dump.dump(config.stash[DUMP_FOLDER], context.impl, problem.id, item.name, sandbox.last_call,
+                     interpreted=context.device.type != "cuda")
+    return f"inputs saved: python {shlex.quote(shown_path(path))} calls your function on them again"
 
 
 def sandbox_warning() -> str:
@@ -810,7 +869,8 @@ def pytest_terminal_summary(terminalreporter, exitstatus: int, config: pytest.Co
                 terminalreporter.write_line("    " + line)
     terminalreporter.section("score")
     terminalreporter.write_line(f"impl: {context.impl.path}   profile: {context.profile}   device: {context.device}")
-    for line in score_table(by_problem(results), isolation_line(context.isolation.level, context.isolation_note)):
+    for line in score_table(by_problem(results), isolation_line(context.isolation.level, context.isolation_note),
+                            config.stash.get(GPU_ONLY_DTYPES, {})):
         terminalreporter.write_line(line)
 
 
@@ -846,7 +906,8 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
              "profile": context.profile, "impl": str(context.impl.path), "device": str(context.device),
              "isolation": context.isolation.level, "isolation_note": context.isolation_note}
     data = results_json(results, by_problem(results), time.monotonic() - config.stash[STARTED], extra,
-                        isolation_line(context.isolation.level, context.isolation_note))
+                        isolation_line(context.isolation.level, context.isolation_note),
+                        config.stash.get(GPU_ONLY_DTYPES, {}))
     if sandbox_warning():
         data["output"] = f"{sandbox_warning()}\n{data['output']}"
     key = config.stash[RESULTS_KEY]

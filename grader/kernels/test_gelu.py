@@ -57,9 +57,11 @@ def check(student, reference, case: TensorCase) -> None:
 @example(case=TensorCase((0,), torch.float32))
 @example(case=TensorCase((3, 0, 2), torch.float32))
 @example(case=TensorCase((), torch.float32))
-# Non-contiguous layouts the contract names, where flat indexing of the storage goes wrong.
+# Non-contiguous layouts the contract names, where flat indexing of the storage goes wrong; a transposed input, whose
+# strides torch.empty_like keeps, where the output must still be a new contiguous tensor.
 @example(case=TensorCase((4, 37), torch.float32, "row_padded", "normal", 1))
 @example(case=TensorCase((4, 37), torch.float32, "expanded", "normal", 2))
+@example(case=TensorCase((4, 37), torch.float32, "transposed", "normal", 4))
 # More elements than one block of any usual size: a grid of several programs, at every profile.
 @example(case=TensorCase((5, 1000), torch.float32, "contiguous", "normal", 3))
 @given(case=tensor_cases(shapes(1100 * size_scale()), torch.float32, regimes=("normal", "ties")))

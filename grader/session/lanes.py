@@ -43,7 +43,7 @@ TIMES_FILE = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / 
 SHIPPED_TIMES_FILE = Path(__file__).with_name("lane_seconds.json")
 # Grader options a lane takes from the parent (their values as parsed, not as typed).
 PASSED_OPTIONS = ("--reference", "--profile", "--launcher", "--timeout-scale", "--world-sizes", "--isolation",
-                  "--expectations", "--record-expectations", "--source-policy")
+                  "--expectations", "--record-expectations", "--source-policy", "--dump-failing")
 
 
 def deal(work_by_problem: dict[str, float], lanes: int) -> list[list[str]]:

@@ -62,7 +62,19 @@ def skipped_notes(scores: list[ProblemScore]) -> list[str]:
             for (problem_id, why), share in notes.items()]
 
 
-def score_table(scores: list[ProblemScore], isolation: str = "") -> list[str]:
+def gpu_dtype_notes(scores: list[ProblemScore], gpu_only_dtypes: dict[str, tuple[str, ...]]) -> list[str]:
+    """Which dtypes a problem graded here is graded in on a GPU only, left out of the tests that ran here rather than
+    skipped with them: full marks here say nothing about them."""
+    return [f"graded on submission: {score.problem.id}, {' and '.join(gpu_only_dtypes[score.problem.id])} inputs: "
+            "drawn on a GPU only (the tests graded here drew its other dtypes)"
+            for score in scores if gpu_only_dtypes.get(score.problem.id) and score.max_score > 0
+            and score.status != "not implemented"]
+
+
+def score_table(scores: list[ProblemScore], isolation: str = "",
+                gpu_only_dtypes: dict[str, tuple[str, ...]] | None = None) -> list[str]:
+    """The table, then why points were not graded here, what is graded on submission only (`gpu_only_dtypes`: by
+    problem, the dtypes this machine does not draw), and the sandbox."""
     rows = [("problem", "status", "points", "reason")]
     for score in scores:
         reason = one_line(score.reason)
@@ -80,7 +92,8 @@ def score_table(scores: list[ProblemScore], isolation: str = "") -> list[str]:
         if index in (1, len(rows) - 1):
             lines.append("-" * (sum(widths) + 6 + 20))
         lines.append("  ".join(cell.ljust(width) for cell, width in zip(row[:3], widths)) + "  " + row[3])
-    return lines + skipped_notes(scores) + ([isolation] if isolation else [])
+    return (lines + skipped_notes(scores) + gpu_dtype_notes(scores, gpu_only_dtypes or {})
+            + ([isolation] if isolation else []))
 
 
 def machine_description() -> dict:
@@ -101,7 +114,7 @@ def machine_description() -> dict:
 
 
 def results_json(results: list[TestResult], scores: list[ProblemScore], execution_time_s: float, extra: dict,
-                 isolation: str = "") -> dict:
+                 isolation: str = "", gpu_only_dtypes: dict[str, tuple[str, ...]] | None = None) -> dict:
     tests = []
     for problem_number, score in enumerate(scores, start=1):
         for test_number, result in enumerate(score.results, start=1):
@@ -122,7 +135,7 @@ def results_json(results: list[TestResult], scores: list[ProblemScore], executio
     return {
         "score": sum(s.score for s in scores),
         "execution_time": int(round(execution_time_s)),
-        "output": "\n".join(score_table(scores, isolation)),
+        "output": "\n".join(score_table(scores, isolation, gpu_only_dtypes)),
         "tests": tests,
         "extra_data": {**machine_description(), **extra},
     }
