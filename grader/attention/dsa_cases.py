@@ -94,6 +94,11 @@ class IndexerCase:
                 f"values={'integers' if self.integers else 'normal'}, seed={self.seed}")
 
 
+# The indexer's index_dim is padded the same way: 48, 80 and 96 in every profile.
+PADDED_INDEX_DIMS = tuple(IndexerCase(batch=1, seq=21, index_heads=2, index_dim=index_dim, dtype=torch.float32,
+                                      strided=index_dim == 80, seed=index_dim) for index_dim in (48, 80, 96))
+
+
 @st.composite
 def indexer_cases(draw, dtypes: tuple[torch.dtype, ...]) -> IndexerCase:
     return IndexerCase(
@@ -246,6 +251,15 @@ def causal_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
     chosen = chosen.masked_fill(positions[None, :kept] > positions[:, None], seq).sort(dim=-1).values
     chosen = chosen.masked_fill(chosen == seq, -1)
     return torch.nn.functional.pad(chosen, (0, topk - kept), value=-1)
+
+
+# Head sizes that are not powers of two, padded by the kernels to the next one: `ci` on a CPU draws only 16 and 32, so
+# every profile grades 48, 80 and 96 explicitly, contiguous (the lanes past head_dim hold the next row's values) and
+# strided (another head's, or the value beside the key).
+PADDED_HEAD_DIMS = tuple(SparseCase(batch=1, seq=13, heads=3, head_dim=head_dim, topk=6, dtype=torch.float32,
+                                    selection=selection, strided=strided, seed=head_dim)
+                         for head_dim, selection, strided in ((48, "causal", False), (80, "any", True),
+                                                              (96, "causal", True)))
 
 
 @st.composite

@@ -19,6 +19,8 @@ from grader.attention import dsa_cases as dc
 from grader.attention.dsa_cases import (
     FUNCTION,
     FUNCTION_CLASS,
+    PADDED_HEAD_DIMS,
+    PADDED_INDEX_DIMS,
     PROBLEM,
     SELECTIONS,
     TIME_LENGTHS,
@@ -69,6 +71,9 @@ def call_student(student, function: str, *args, grader_work=None):
 
 
 @examples(PROBLEM)
+@example(case=PADDED_INDEX_DIMS[0])
+@example(case=PADDED_INDEX_DIMS[1])
+@example(case=PADDED_INDEX_DIMS[2])
 @given(case=indexer_cases(DTYPES))
 def test_indexer(student, reference, case):
     """scores[b, t, s] = sum_j weights[b, t, j] relu(q_idx[b, t, j] . k_idx[b, s]) for s <= t, exactly -inf above."""
@@ -130,6 +135,9 @@ def check_forward(student, reference, case: SparseCase) -> None:
 
 
 @examples(PROBLEM)
+@example(case=PADDED_HEAD_DIMS[0])
+@example(case=PADDED_HEAD_DIMS[1])
+@example(case=PADDED_HEAD_DIMS[2])
 @given(case=sparse_cases((torch.float32,)))
 def test_forward_fp32(student, reference, case):
     check_forward(student, reference, case)
@@ -159,6 +167,9 @@ def test_logsumexp(student, reference, case):
 
 
 @examples(PROBLEM)
+@example(case=PADDED_HEAD_DIMS[0])
+@example(case=PADDED_HEAD_DIMS[1])
+@example(case=PADDED_HEAD_DIMS[2])
 @given(case=sparse_cases(DTYPES))
 def test_backward(student, reference, case):
     q, k, v, indices, grad_o = case.inputs()

@@ -79,6 +79,20 @@ def window_cases(draw, dtypes: tuple[torch.dtype, ...], seq=None, window=None, h
     )
 
 
+def padded_head_dim_case(head_dim: int, layout: str) -> WindowCase:
+    """A head size that is not a power of two: the kernels pad it to the next one, and the lanes past head_dim must
+    load as zeros. `ci` on a CPU draws only 16 and 32, so every profile grades 48, 80 and 96 explicitly, with a window
+    across a tile's edge."""
+    return WindowCase(batch=1, heads=2, seq=37, head_dim=head_dim, dtype=torch.float32, is_causal=True, layout=layout,
+                      seed=head_dim, window=17)
+
+
+# One per layout, so the memory past head_dim differs: the next row (contiguous), the next head (bnhd), the next head or
+# the next of q, k and v (packed_qkv); past the last head's last row, the end of the tensor.
+PADDED_HEAD_DIMS = tuple(padded_head_dim_case(head_dim, layout)
+                         for head_dim, layout in ((48, "contiguous"), (80, "bnhd"), (96, "packed_qkv")))
+
+
 def edge_case(seq: int, window: int, dtype=torch.float32) -> WindowCase:
     return WindowCase(batch=1, heads=2, seq=seq, head_dim=16, dtype=dtype, is_causal=True, seed=seq * 1000 + window,
                       window=window)

@@ -348,8 +348,9 @@ def gradient_term_scales(q, k, v, grad_o, is_causal: bool, window: int | None = 
     )
 
 
-def check_output(actual, want: Expected, error_multiple: float, floor_ulps: float, context: str) -> None:
-    assert_close(actual, want.output64, want.at_dtype["output"], what="output o of flash_attention",
+def check_output(actual, want: Expected, error_multiple: float, floor_ulps: float, context: str,
+                 function: str = "flash_attention") -> None:
+    assert_close(actual, want.output64, want.at_dtype["output"], what=f"output o of {function}",
                  context=context, multiple=error_multiple, floor_ulps=floor_ulps)
 
 

@@ -117,7 +117,8 @@ def check_indexer_arguments(q_idx, k_idx, weights) -> None:
 
 
 def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """I[b, t, s] = sum_j weights[b, t, j] relu(q_idx[b, t, j] . k_idx[b, s]) for s <= t, -inf above, float32."""
+    """I[b, t, s] = sum_j weights[b, t, j] relu(q_idx[b, t, j] . k_idx[b, s]) for s <= t, -inf above, float32.
+    No scale: DeepSeek-V3.2's code folds 1 / sqrt(index_heads * index_dim) into the weights, the contract does not."""
     check_indexer_arguments(q_idx, k_idx, weights)
     batch, seq_len, index_heads, index_dim = q_idx.shape
     config = _indexer_config()
@@ -158,7 +159,8 @@ def _tie_broken_keys(scores: torch.Tensor) -> torch.Tensor:
 
 
 def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
-    """Each query's topk highest-scoring keys s <= t (equal scores: the lower s first), ascending, -1 padded."""
+    """Each query's topk highest-scoring keys s <= t (equal scores: the lower s first), ascending, -1 padded: the
+    scores choose the keys, never their order (DeepSeek-V3.2's code keeps torch.topk's, highest first)."""
     check_topk_arguments(scores, topk)
     batch, seq_len, _ = scores.shape
     positions = torch.arange(seq_len, device=scores.device)

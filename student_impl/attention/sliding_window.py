@@ -44,9 +44,10 @@ def sliding_window_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, 
         key j is visible to query i  iff  i - window < j <= i   (itself and the window - 1 keys before it)
         L[i] = log sum_{j visible to i} exp(s q[i] . k[j])      (natural logarithm)
         o[i] = sum_{j visible to i} exp(s q[i] . k[j] - L[i]) v[j]
-    window = 1 gives o = v; a window of seq or more is causal attention. The library attention and softmax
-    (scaled_dot_product_attention, flex_attention, torch.softmax and their aliases) must not be used; beyond
-    allocating, viewing and copying tensors, torch may not compute here (handout: "Do the work yourself").
+    window = 1 gives o = v; a window of seq or more is causal attention. If you read flash-attn: its
+    window_size=(left, 0) counts the keys before the query, so left = window - 1 here. The library attention and
+    softmax (scaled_dot_product_attention, flex_attention, torch.softmax and their aliases) must not be used;
+    beyond allocating, viewing and copying tensors, torch may not compute here (handout: "Do the work yourself").
 
     Args:
         q, k, v: tensors of one shape [batch, heads, seq, head_dim] (4-D only). Any seq >= 1; head_dim a

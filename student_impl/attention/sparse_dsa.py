@@ -20,7 +20,9 @@ def indexer_scores(q_idx: torch.Tensor, k_idx: torch.Tensor, weights: torch.Tens
     For each batch b, with j over the index_heads indexer heads:
         scores[b, t, s] = sum_j weights[b, t, j] * relu(q_idx[b, t, j] . k_idx[b, s])   for s <= t
         scores[b, t, s] = -inf                                                          for s > t
-    No scale beyond the weights. Products are summed in float32 or wider (convert the inputs, or accumulate a
+    No scale beyond the weights. If you read DeepSeek-V3.2's code or fla: they scale these scores (DeepSeek's code
+    multiplies the weights by 1 / sqrt(index_heads * index_dim)); here the weights are used as given, and a scaled
+    score is out of tolerance. Products are summed in float32 or wider (convert the inputs, or accumulate a
     `tl.dot` in float32). Any torch operator may be used here, or a Triton kernel; a [batch, seq, index_heads, seq]
     intermediate is allowed but grows fast (loop over the indexer heads instead).
 
@@ -50,6 +52,9 @@ def select_topk(scores: torch.Tensor, topk: int) -> torch.Tensor:
         - Equal scores keep the lower key index first (as the MoE router's top-k): among candidates with equal
           scores, a lower s is taken before a higher one.
         - Each row lists its keys in ascending order, then -1 in every slot left (at the row's end).
+    If you read DeepSeek-V3.2's code: it keeps torch.topk's order (highest score first) and fills a row with fewer
+    than topk candidates with future keys, which its attention masks later; here the row is sorted by key index and
+    padded with -1, and the indices are compared exactly: the scores decide which keys, never their order.
     Any torch operator may be used (torch.topk does not promise an order among equal values; a stable sort does).
 
     Args:
