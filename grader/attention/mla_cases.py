@@ -4,7 +4,8 @@ student's module) or in the grader's process (the reference's, at the case's dty
 The weights are the grader's, drawn by the pinned parameter names and loaded into both modules. A cache travels back
 to the grader as its two plain tensors, and decoding continues from them in a fresh module: what decoding needs must
 be in the cache. Decoding runs under a recorder of every tensor an operator returns (inside the worker: evidence
-against honest mistakes), which the grader searches for per-head keys or values of the whole cache.
+against honest mistakes), which the grader searches for per-head keys or values of the whole cache, one tensor at a
+time and as the total a step builds over the cache's length.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ from dataclasses import dataclass
 import torch
 from hypothesis import strategies as st
 from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from grader.checks.strategies import size_scale
 from grader.session.context import current
@@ -119,19 +121,27 @@ def plain_cache(cache) -> list:
     return [t.detach() if isinstance(t, torch.Tensor) else t for t in (cache.latent, cache.rope_key)]
 
 
-class _LargeTensorRecorder(TorchDispatchMode):
-    """Every tensor an operator returns with `limit` elements or more and a dimension of `length` (the tokens
-    cached before a decode step) or `length + 1` (after it)."""
+class _DecodeRecorder(TorchDispatchMode):
+    """What one decode step builds: every tensor an operator returns with `limit` elements or more and a dimension of
+    `length` (the tokens cached before the step) or `length + 1` (after it), and the elements of every tensor an
+    operator returns in new memory (views and in-place results build nothing). The step's fixed work cancels out
+    between two steps' totals: what is left is the work that grows with the cache."""
 
     def __init__(self, limit: int, length: int):
         super().__init__()
-        self.limit, self.length, self.seen = limit, length, []
+        self.limit, self.length, self.seen, self.elements = limit, length, [], 0
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         result = func(*args, **(kwargs or {}))
+        memory_in = {t.untyped_storage().data_ptr() for t in tree_flatten((args, kwargs))[0]
+                     if isinstance(t, torch.Tensor)}
         for tensor in result if isinstance(result, (tuple, list)) else (result,):
-            if (isinstance(tensor, torch.Tensor) and tensor.numel() >= self.limit
-                    and any(size in (self.length, self.length + 1) for size in tensor.shape) and len(self.seen) < 10):
+            if not isinstance(tensor, torch.Tensor):
+                continue
+            if tensor.untyped_storage().data_ptr() not in memory_in:
+                self.elements += tensor.numel()
+            if (tensor.numel() >= self.limit and any(size in (self.length, self.length + 1) for size in tensor.shape)
+                    and len(self.seen) < 10):
                 self.seen.append(f"{func} -> {tuple(tensor.shape)}")
         return result
 
@@ -139,21 +149,23 @@ class _LargeTensorRecorder(TorchDispatchMode):
 @torch.no_grad()
 def run_prefill_decode(module, config: dict, weights: dict, h: torch.Tensor, prefill: int) -> dict:
     """prefill(h[:, :prefill]), then decode every later token one at a time in a fresh module from the cache's plain
-    tensors: the outputs, the cache after prefill and at the end, cache_bytes_per_token, and the large tensors
-    (see _LargeTensorRecorder: as many elements as every cached token's per-head keys) decoding built."""
+    tensors: the outputs, the cache after prefill and at the end, cache_bytes_per_token, the large tensors decoding
+    built (see _DecodeRecorder: as many elements as every cached token's per-head keys), and per decode step the
+    tokens cached before it and the elements of the tensors it built."""
     prefilled, cache = build(module, config, weights).prefill(h[:, :prefill])
     entries = plain_cache(cache)
     layer = build(module, config, weights)
     cache = module.MLACache(*entries)
-    outputs, large = [prefilled], []
+    outputs, large, built = [prefilled], [], []
     per_head = h.shape[0] * config["n_heads"] * config["head_dim"]
     for t in range(prefill, h.shape[1]):
-        with _LargeTensorRecorder(per_head * t, t) as recorder:
+        with _DecodeRecorder(per_head * t, t) as recorder:
             y_t, cache = layer.decode(h[:, t:t + 1], cache)
         outputs.append(y_t)
         large += recorder.seen
+        built.append((t, recorder.elements))
     return {"y": torch.cat(outputs, dim=1), "prefill_cache": entries, "cache": plain_cache(cache),
-            "bytes_per_token": layer.cache_bytes_per_token(), "large": large[:10]}
+            "bytes_per_token": layer.cache_bytes_per_token(), "large": large[:10], "built": built}
 
 
 def call_invalid(module, method: str, shape: tuple[int, ...], dtype: str) -> None:

@@ -3,10 +3,14 @@ and as prefill plus token-by-token decoding.
 
 Both modes are measured against the reference stack run in float64 (the oracle) with the grader's weights, the
 reference at the case's dtype setting the tolerance (grader.attention.hybrid_cases). The cache is measured by the
-grader on the tensors that come back from the worker, and decoding continues from them in a fresh stack.
+grader on the tensors that come back from the worker, and decoding continues from them in a fresh stack: its bytes
+in float32 and bfloat16, and its contents (every GDN state, every attention layer's keys and values) against the
+reference's after the prompt and after the last decoded token.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import pytest
 import torch
@@ -26,8 +30,13 @@ TOLERANCE = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 # Past a chunk of 64 tokens, with a prompt that ends inside the second: where a chunked form hands its state on.
 LONG_CASE = HybridCase(batch=1, seq=80, d_model=16, n_heads=1, head_dim=8, n_layers=2, attention_every=2, prefill=70,
                        seed=3)
+# d_model = n_heads * head_dim: a cache of anything [B, t, d_model] per token (the normalised inputs, say) has the
+# bytes of the keys and values, so the cache's contents are compared too (test_decode_matches_forward).
 CACHE_CASE = HybridCase(batch=2, seq=hc.LONG_PREFILL, d_model=32, n_heads=2, head_dim=16, n_layers=4,
                         attention_every=4, seed=11)
+# The cache's bytes in both graded dtypes: a bfloat16 model keeps its keys and values in bfloat16, its states in
+# float32. Plain PyTorch, so bfloat16 runs on a CPU too.
+CACHE_CASES = tuple(replace(CACHE_CASE, dtype=dtype) for dtype in (torch.float32, torch.bfloat16))
 
 
 def expected_forward(reference, case: HybridCase, grads: bool) -> tuple[dict, dict]:
@@ -80,24 +89,58 @@ def prefill_then_decode(student, case: HybridCase, weights, x, expected=None) ->
     return prefilled, decoded, want
 
 
+def check_entry_count(run: dict, tokens: int, case: HybridCase) -> None:
+    if len(run["cache"]) != case.n_layers:
+        raise WrongAnswer(f"the cache after {tokens} tokens has {len(run['cache'])} entries in cache.layers; "
+                          f"expected one per layer ({case.n_layers}) ({case.describe()})")
+
+
+def assert_cache_close(got: dict, want64: dict, yardsticks: tuple[dict, ...], tokens: int, case: HybridCase) -> None:
+    """The cache after `tokens` tokens holds what the contract says: every GDN layer's state S [B, n_heads, head_dim
+    (keys), head_dim (values)], every attention layer's keys and values as k_proj and v_proj produced them."""
+    check_entry_count(got, tokens, case)
+    entries = got["cache"]
+    for layer in range(case.n_layers):
+        if layer in case.attention_layers():
+            if not isinstance(entries[layer], (tuple, list)) or len(entries[layer]) != 2:
+                raise WrongAnswer(f"attention layer {layer}'s cache entry after {tokens} tokens is not a pair "
+                                  f"(k_cache, v_cache) ({case.describe()})")
+            parts = (("k_cache", "the keys k_proj(norm(x))"), ("v_cache", "the values v_proj(norm(x))"))
+            for index, (name, holds) in enumerate(parts):
+                assert_close(entries[layer][index], want64["cache"][layer][index],
+                             tuple(y["cache"][layer][index] for y in yardsticks),
+                             what=f"attention layer {layer}'s {name} after {tokens} tokens (must hold {holds} of "
+                                  f"every token so far, [B, n_heads, t, head_dim])",
+                             context=case.describe(), **TOLERANCE)
+        else:
+            assert_close(entries[layer], want64["cache"][layer], tuple(y["cache"][layer] for y in yardsticks),
+                         what=f"Gated DeltaNet layer {layer}'s state after {tokens} tokens (S [B, n_heads, head_dim "
+                              f"(keys), head_dim (values)])", context=case.describe(), **TOLERANCE)
+
+
 @examples(PROBLEM)
 @example(case=LONG_CASE)
 @given(case=hybrid_cases(DTYPES))
 def test_decode_matches_forward(student, reference, case):
     """prefill(x[:, :P]) then decode of x[:, P], x[:, P+1], ... gives forward(x): the prompt's outputs and every decoded
-    token's, against the float64 forward."""
+    token's, against the float64 forward; and the cache after the prompt and after the last token holds the states,
+    keys and values of the tokens so far."""
     weights, x, _ = hc.case_tensors(case)
 
     def expected():
         weights64, x64, _ = hc.case_tensors(case, torch.float64)
-        forward64 = reference.computed(hc.run_forward, case.config(), weights64, x64, None)
-        forward = reference.computed(hc.run_forward, case.config(), weights, x, None)
+        # A prefill's y is forward's, and its cache is the one decoding must reach: one call gives both.
+        whole64 = reference.computed(hc.run_prefill, case.config(), weights64, x64)
+        prompt64 = reference.computed(hc.run_prefill, case.config(), weights64, x64[:, :case.prefill])
+        whole = reference.computed(hc.run_prefill, case.config(), weights, x)
         ref_prefill = reference.computed(hc.run_prefill, case.config(), weights, x[:, :case.prefill])
         ref_decode = reference.computed(hc.run_decode, case.config(), weights, x[:, case.prefill:],
                                         ref_prefill["cache"])
-        return forward64["y"], (forward["y"], torch.cat([ref_prefill["y"], ref_decode["y"]], dim=1))
+        return (whole64, prompt64), (whole, ref_prefill, ref_decode)
 
-    prefilled, decoded, (want64, yardsticks) = prefill_then_decode(student, case, weights, x, expected)
+    prefilled, decoded, ((whole64, prompt64), (whole, ref_prefill, ref_decode)) = prefill_then_decode(
+        student, case, weights, x, expected)
+    want64, yardsticks = whole64["y"], (whole["y"], torch.cat([ref_prefill["y"], ref_decode["y"]], dim=1))
     what = f"HybridStack.prefill(x[:, :{case.prefill}])"
     assert_close(prefilled["y"], want64[:, :case.prefill], tuple(y[:, :case.prefill] for y in yardsticks),
                  what=f"y of {what}", context=case.describe(), **TOLERANCE)
@@ -105,6 +148,8 @@ def test_decode_matches_forward(student, reference, case):
         assert_close(decoded["y"], want64[:, case.prefill:], tuple(y[:, case.prefill:] for y in yardsticks),
                      what=f"decode() of tokens {case.prefill}..{case.seq - 1} after {what}, from its cache in a "
                           f"fresh stack", context=case.describe(), **TOLERANCE)
+    assert_cache_close(prefilled, prompt64, (ref_prefill,), case.prefill, case)
+    assert_cache_close(decoded, whole64, (ref_decode, whole), case.seq, case)
 
 
 def measured_caches(student, case: HybridCase) -> dict:
@@ -119,9 +164,7 @@ def measured_caches(student, case: HybridCase) -> dict:
                                        x[:, hc.LONG_PREFILL:], long["cache"])
     caches = {hc.SHORT_PREFILL: short, hc.LONG_PREFILL: long, hc.LONG_PREFILL + 1: one_more}
     for tokens, run in caches.items():
-        if len(run["cache"]) != case.n_layers:
-            raise WrongAnswer(f"the cache after {tokens} tokens has {len(run['cache'])} entries in cache.layers; "
-                              f"expected one per layer ({case.n_layers}) ({case.describe()})")
+        check_entry_count(run, tokens, case)
     return caches
 
 
@@ -135,46 +178,50 @@ def kv_bytes(case: HybridCase, tokens: int) -> int:
 
 
 def test_linear_state_is_constant(student):
-    """Every GDN layer's cache entry holds the same bytes after 64, 4096 and 4097 tokens: the pinned state."""
-    case = CACHE_CASE
-    caches = measured_caches(student, case)
-    for layer in range(case.n_layers):
-        if layer in case.attention_layers():
-            continue
-        sizes = {tokens: hc.entry_bytes(run["cache"][layer]) for tokens, run in caches.items()}
-        if set(sizes.values()) != {state_bytes(case)}:
-            raise WrongAnswer(
-                f"Gated DeltaNet layer {layer}'s cache entry holds {sizes} bytes after that many tokens; a state of "
-                f"[B, n_heads, head_dim, head_dim] float32 is {state_bytes(case)} bytes whatever the length "
-                f"({case.describe()})")
+    """Every GDN layer's cache entry holds the same bytes after 64, 4096 and 4097 tokens: the pinned state, of a
+    float32 and of a bfloat16 model."""
+    for case in CACHE_CASES:
+        caches = measured_caches(student, case)
+        for layer in range(case.n_layers):
+            if layer in case.attention_layers():
+                continue
+            sizes = {tokens: hc.entry_bytes(run["cache"][layer]) for tokens, run in caches.items()}
+            if set(sizes.values()) != {state_bytes(case)}:
+                raise WrongAnswer(
+                    f"Gated DeltaNet layer {layer}'s cache entry holds {sizes} bytes after that many tokens; a state "
+                    f"of [B, n_heads, head_dim, head_dim] float32 is {state_bytes(case)} bytes whatever the length "
+                    f"({case.describe()})")
 
 
 def test_kv_cache_grows(student):
-    """Every attention layer's (k_cache, v_cache) holds 2 B n_heads t head_dim elements after t tokens."""
-    case = CACHE_CASE
-    caches = measured_caches(student, case)
-    for layer in case.attention_layers():
-        for tokens, run in caches.items():
-            held = hc.entry_bytes(run["cache"][layer])
-            if held != kv_bytes(case, tokens):
-                raise WrongAnswer(
-                    f"attention layer {layer}'s (k_cache, v_cache) holds {held} bytes after {tokens} tokens; the keys "
-                    f"and values of {tokens} tokens are {kv_bytes(case, tokens)} bytes ({case.describe()})")
+    """Every attention layer's (k_cache, v_cache) holds 2 B n_heads t head_dim elements of the model's dtype after t
+    tokens, in a float32 and in a bfloat16 model."""
+    for case in CACHE_CASES:
+        caches = measured_caches(student, case)
+        for layer in case.attention_layers():
+            for tokens, run in caches.items():
+                held = hc.entry_bytes(run["cache"][layer])
+                if held != kv_bytes(case, tokens):
+                    raise WrongAnswer(
+                        f"attention layer {layer}'s (k_cache, v_cache) holds {held} bytes after {tokens} tokens; the "
+                        f"keys and values of {tokens} tokens in the model's dtype "
+                        f"({str(case.dtype).removeprefix('torch.')}) are {kv_bytes(case, tokens)} bytes "
+                        f"({case.describe()})")
 
 
 def test_cache_bytes(student):
     """cache_bytes(cache) is the bytes of the cache's tensors (the grader's count of what came back) and the pinned
-    formula, after a prefill and after a decode step."""
-    case = CACHE_CASE
-    caches = measured_caches(student, case)
-    gdn_layers = case.n_layers - len(case.attention_layers())
-    for tokens, run in caches.items():
-        counted = sum(hc.entry_bytes(entry) for entry in run["cache"])
-        formula = gdn_layers * state_bytes(case) + len(case.attention_layers()) * kv_bytes(case, tokens)
-        if run["cache_bytes"] != counted or counted != formula:
-            raise WrongAnswer(
-                f"after {tokens} tokens cache_bytes(cache) returned {run['cache_bytes']!r}; the cache's tensors hold "
-                f"{counted} bytes and the pinned formula gives {formula} ({case.describe()})")
+    formula, after a prefill and after a decode step, of a float32 and of a bfloat16 model."""
+    for case in CACHE_CASES:
+        caches = measured_caches(student, case)
+        gdn_layers = case.n_layers - len(case.attention_layers())
+        for tokens, run in caches.items():
+            counted = sum(hc.entry_bytes(entry) for entry in run["cache"])
+            formula = gdn_layers * state_bytes(case) + len(case.attention_layers()) * kv_bytes(case, tokens)
+            if run["cache_bytes"] != counted or counted != formula:
+                raise WrongAnswer(
+                    f"after {tokens} tokens cache_bytes(cache) returned {run['cache_bytes']!r}; the cache's tensors "
+                    f"hold {counted} bytes and the pinned formula gives {formula} ({case.describe()})")
 
 
 INVALID = [

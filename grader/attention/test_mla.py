@@ -28,6 +28,9 @@ TOLERANCE = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 # decode step can build, and rotary angles up to 40 radians.
 DECODE_CASE = MLACase(batch=2, seq=40, d_model=32, n_heads=4, head_dim=8, latent_dim=12, rope_dim=6, prefill=20,
                       seed=3)
+# Wide heads over narrow latents (8 x 64 against 8 + 4): every head's keys of a token are 1024 elements, an absorbed
+# step builds about 100 per token (the budget, growth_budget, is 352), however they are split.
+WORK_CASE = MLACase(batch=2, seq=24, d_model=32, n_heads=8, head_dim=64, latent_dim=8, rope_dim=4, prefill=12, seed=5)
 
 
 def expected_forward(reference, case: MLACase, grads: bool) -> tuple[dict, dict]:
@@ -113,16 +116,35 @@ def test_cache_holds_latents_only(student, reference, case):
                          f"tokens", context=case.describe(), **TOLERANCE)
 
 
+def growth_budget(case: MLACase) -> int:
+    """Elements a decode step may build per cached token: an absorbed step copies the cached latents and rotary keys
+    a few times (appending, casting) and builds a few [B, H, t] score tensors; every head's keys are B H d_h."""
+    return case.batch * (4 * (case.latent_dim + case.rope_dim) + 16 * case.n_heads)
+
+
 def test_decode_builds_no_per_head_keys(student):
     """No decode step builds a tensor as large as every cached token's per-head keys ([B, H, t, d_h] elements with
-    a dimension of t): the queries move into the latent space instead."""
-    case = DECODE_CASE
-    got, _ = student_decode(student, case)
-    if got["large"]:
-        raise WrongAnswer(
-            f"decode built tensors of at least B * H * t * head_dim elements with a dimension of the cache's length "
-            f"t: {'; '.join(got['large'])}; the decode path scores the cached latents with the absorbed query "
-            f"(W_UK,i^T q_i) and never rebuilds every head's keys or values ({case.describe()})")
+    a dimension of t), nor that much in all (each head's keys one head at a time, say): the elements a step builds
+    grow with the cache by at most growth_budget per token, far below B H d_h in WORK_CASE. The queries move into
+    the latent space instead."""
+    for case in (DECODE_CASE, WORK_CASE):
+        got, _ = student_decode(student, case)
+        if got["large"]:
+            raise WrongAnswer(
+                f"decode built tensors of at least B * H * t * head_dim elements with a dimension of the cache's "
+                f"length t: {'; '.join(got['large'])}; the decode path scores the cached latents with the absorbed "
+                f"query (W_UK,i^T q_i) and never rebuilds every head's keys or values ({case.describe()})")
+        (first, built_first), (last, built_last) = got["built"][0], got["built"][-1]
+        per_token = (built_last - built_first) / (last - first)
+        if per_token > growth_budget(case):
+            per_head_keys = case.batch * case.n_heads * case.head_dim
+            raise WrongAnswer(
+                f"decode built {built_first} elements in all (every tensor an operator returned) with t = {first} "
+                f"tokens cached and {built_last} with t = {last}: {per_token:g} more per cached token, above the "
+                f"{growth_budget(case)} = B (4 (latent_dim + rope_dim) + 16 n_heads) an absorbed step needs; every "
+                f"head's keys of a token are B H head_dim = {per_head_keys} elements, whether built at once or one "
+                f"head at a time: score the cached latents with the absorbed queries W_UK,i^T q_i instead "
+                f"({case.describe()})")
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])

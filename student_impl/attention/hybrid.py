@@ -89,6 +89,9 @@ class HybridCache:
         dtype, the keys and values of the t tokens seen so far (as the projections produced them: no positional
         encoding, no scaling), oldest first. One decode step makes t one longer (torch.cat is fine).
     Nothing else in the cache holds tensors. The batch size B is the first dimension of every entry.
+    Graded: these contents are compared with the reference's after prefill and after the last decode step (a cache
+    of anything else, say the normalised inputs re-projected at every step, fails test_decode_matches_forward even
+    where it has the bytes of the keys and values).
     """
 
     layers: list = field(default_factory=list)
@@ -99,8 +102,8 @@ def cache_bytes(cache: HybridCache) -> int:
 
     So after t tokens: (number of GDN layers) * B * n_heads * head_dim^2 * 4 + (number of attention layers)
     * 2 * B * n_heads * t * head_dim * (model element size), for float32 and bfloat16 models. The grader also
-    measures the cache itself: every GDN entry has the same bytes after 64 tokens as after 4096; attention entries
-    grow linearly in t.
+    measures the cache itself, of a float32 and of a bfloat16 model: every GDN entry has the same bytes after 64
+    tokens as after 4096; attention entries grow linearly in t, in the model's dtype.
     """
     raise NotImplementedError
 

@@ -15,6 +15,9 @@ No normalisation of the latent, no compression of the queries, no biases.
 RoPE (pinned): RoPE_t rotates each pair (x_j, x_{j + d_r/2}), j < d_r / 2, by the angle t * theta_j with
 theta_j = 10000^(-2j / d_r) (the half-split convention, not adjacent pairs), positions t counted from 0 over the
 whole sequence: y_j = x_j cos - x_{j + d_r/2} sin, y_{j + d_r/2} = x_{j + d_r/2} cos + x_j sin.
+If you read DeepSeek's official code: it rotates adjacent pairs (x_2j, x_2j+1) (complex multiplication of
+consecutive elements); here RoPE is half-split (rotate_half). The two differ on the same weights: adjacent pairs
+fail test_forward on its explicit example (rope_dim 6, 40 tokens).
 
 Dtypes (pinned). The model's dtype is its parameters' (float32 and bfloat16 graded; a float64 model computes in
 float64 throughout, the grader's exact evaluation). Projections (nn.Linear) run in the model's dtype; scores,
@@ -116,7 +119,10 @@ class MultiHeadLatentAttention(nn.Module):
         cached token's per-head keys or values ([B, H, t, d_h] or any tensor as large with a dimension t) may be
         built: the grader watches the operators decode runs. The heads share the cache: score the H absorbed
         queries of a sequence as the rows of one matrix against its [t, d_c] latents (torch.bmm); a matmul that
-        broadcasts the cache over the heads copies it H times, which counts as building such a tensor.
+        broadcasts the cache over the heads copies it H times, which counts as building such a tensor. Nor may a
+        step build that much in pieces (each head's keys one head at a time): summed over every tensor its operators
+        return, what a step builds may grow by at most B (4 (latent_dim + rope_dim) + 16 n_heads) elements per
+        cached token (copying or casting the cache a few times and a few [B, H, t] score tensors fit).
 
         Raises: as forward; ValueError if h holds more than one token or the batch differs from the cache's.
         """

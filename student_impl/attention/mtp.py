@@ -18,6 +18,16 @@ of the loss
 Position i of depth k has read t_0 .. t_{i+k} and nothing later (the grader changes one token and checks which
 logits may move).
 
+Two conventions differ from what you may have read:
+- If you read the DeepSeek-V3 report: it writes CE_k = -(1/T) sum_i log P^k_i[target], divided by the
+  sequence length; here CE_k is the mean over the B (T - k - 1) positions with a target (F.cross_entropy's
+  default reduction over exactly them). Dividing by B T gives (T - k - 1) / T of the loss: test_loss fails
+  on its explicit example (T = 9, D = 3).
+- If you read the released DeepSeek-V3 model: each MTP module there ends in its own RMSNorm before the
+  shared head (shared_head.norm); here no norm precedes the head: logits^k = Head(h^k), h^k as Block_k
+  returned it (and there is no parameter for such a norm). A norm there fails test_logits on its explicit
+  example (depth 1's logits).
+
 Dtypes (pinned). The model's dtype is its parameters' (float32 and bfloat16 are graded; a float64 model computes
 in float64 throughout, the grader's exact evaluation); hidden is given in it. The loss is computed in the
 accumulation dtype (`_accumulation_dtype`): logits cast to it before the cross-entropy.
