@@ -31,6 +31,7 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_availab
 
 
 @examples(PROBLEM)
+@example(case=WORKED)
 @given(case=linear_cases(GATED_DELTANET, DTYPES))
 def test_recurrent_form(student, reference, case):
     checks.check_form(student, reference, PROBLEM, case, "recurrent")

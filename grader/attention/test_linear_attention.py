@@ -35,12 +35,14 @@ DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_availab
 
 
 @examples(PROBLEM)
+@example(case=WORKED)
 @given(case=linear_cases(LINEAR_ATTENTION, DTYPES))
 def test_parallel_form(student, reference, case):
     checks.check_form(student, reference, PROBLEM, case, "parallel")
 
 
 @examples(PROBLEM)
+@example(case=WORKED)
 @given(case=linear_cases(LINEAR_ATTENTION, DTYPES))
 def test_recurrent_form(student, reference, case):
     checks.check_form(student, reference, PROBLEM, case, "recurrent")
