@@ -42,7 +42,8 @@ class Store:
     def load(self, problem_id: str) -> dict:
         path = self.file(problem_id)
         if not path.exists():
-            raise DrawsDiffer(f"no stored expectations for {problem_id} in {self.folder}")
+            raise DrawsDiffer(f"the stored expectations in {self.folder} hold none for {problem_id} (a students' "
+                              "copy released without this problem): it is graded on submission")
         data = read(path)
         if data.get("format") != FORMAT or data.get("profile") != self.profile:
             raise DrawsDiffer(f"{path} holds format {data.get('format')}, profile {data.get('profile')!r}; this "
