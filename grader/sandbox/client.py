@@ -312,6 +312,12 @@ class Sandbox:
         """Send one request and wait for its reply; `function` names the student function it calls, if it is one."""
         return self._request_beside(None, message, what, function)[0]
 
+    def send(self, message: dict) -> bytes:
+        """Encode one request and send it to the worker; the bytes sent."""
+        data = encode(message)
+        self.connection.send_bytes(data)
+        return data
+
     def _time_left(self, sent_s: float) -> tuple[float, str]:
         """How much longer the request sent at `sent_s` may take, and how to say so when it runs out."""
         timeout = self.call_timeout_s - (time.monotonic() - sent_s)
@@ -329,7 +335,7 @@ class Sandbox:
         if self.process is None:
             self.start()
         sent_s = time.monotonic()
-        self.connection.send_bytes(encode(message))
+        self.send(message)
         grader_value = None
         if grader_work is not None:
             try:

@@ -15,7 +15,6 @@ import tempfile
 from pathlib import Path
 
 from grader.sandbox.client import Sandbox
-from grader.sandbox.wire import encode
 from grader.session.packages import PackageSpec
 
 # Characters a dumped file's name keeps from the test's name; any other becomes "_" (no separator, no "..").
@@ -31,11 +30,11 @@ class RecordingSandbox(Sandbox):
         super().begin_test(budget)
         self.last_call = None
 
-    def _request_beside(self, grader_work, message: dict, what: str,
-                        function: str | None = None) -> tuple[dict, object]:
+    def send(self, message: dict) -> bytes:
+        data = super().send(message)
         if message.get("op") == "call":
-            self.last_call = (message["function"], encode(message))
-        return super()._request_beside(grader_work, message, what, function)
+            self.last_call = (message["function"], data)
+        return data
 
 
 def file_stem(problem_id: str, test_name: str) -> str:
