@@ -330,9 +330,9 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
     items.sort(key=lambda item: teaching_order.get(getattr(problem_of(item), "id", None), len(teaching_order)))
     lock_reference(config, items)
     if current().device.type != "cuda":
-        test_modules = {problem_of(item).id: Path(item.module.__file__) for item in items if problem_of(item)}
-        config.stash[GPU_ONLY_DTYPES] = {problem_id: marks.dtypes_drawn_on_gpu_only(path)
-                                         for problem_id, path in test_modules.items()}
+        test_modules = {problem_of(item).id: item.module for item in items if problem_of(item)}
+        config.stash[GPU_ONLY_DTYPES] = {problem_id: marks.dtypes_drawn_on_gpu_only(module)
+                                         for problem_id, module in test_modules.items()}
     if current().profile != "grading":
         return
     seed = secret_seed()

@@ -3,10 +3,13 @@ expectations lack, and dtypes drawn on a GPU only."""
 
 from __future__ import annotations
 
-import textwrap
+import importlib
+import types
+
+import torch
 
 from assignment.registry import BY_ID
-from grader.checks.marks import dtypes_drawn_on_gpu_only
+from grader.checks.marks import drawn_dtypes, dtypes_drawn_on_gpu_only
 from grader.session import scoring
 from grader.session.report import score_table
 from tests.grading import ROOT, run_grader
@@ -26,17 +29,15 @@ def test_a_problem_the_stored_expectations_lack_is_not_graded_in_every_test(tmp_
     assert "grader error" not in run.output
 
 
-def test_dtypes_drawn_on_a_gpu_only_are_read_from_the_test_module(tmp_path):
-    module = tmp_path / "test_x.py"
-    module.write_text(textwrap.dedent("""
-        import torch
-        DTYPES = (torch.float32, torch.bfloat16) if torch.cuda.is_available() else (torch.float32,)
-        EXTREME = (torch.float16,) + ((torch.bfloat16,) if torch.cuda.is_available() else ())
-        SIZE = 8 if torch.cuda.is_available() else 1
-    """))
-    assert dtypes_drawn_on_gpu_only(module) == ("bfloat16",)
-    assert dtypes_drawn_on_gpu_only(ROOT / "grader" / "attention" / "test_mla.py") == ("bfloat16",)
-    assert dtypes_drawn_on_gpu_only(ROOT / "grader" / "moe" / "test_router.py") == ()
+def test_dtypes_drawn_on_a_gpu_only_are_read_from_the_test_module():
+    module = types.ModuleType("test_x")
+    module.DTYPES = drawn_dtypes(torch.float32)
+    module.EXTREME = drawn_dtypes(torch.float16, gpu_only=(torch.bfloat16, torch.float8_e4m3fn))
+    module.SIZE = (torch.float32,)
+    assert dtypes_drawn_on_gpu_only(module) == ("bfloat16", "float8_e4m3fn")
+    assert tuple(module.DTYPES) == ((torch.float32, torch.bfloat16) if torch.cuda.is_available() else (torch.float32,))
+    assert dtypes_drawn_on_gpu_only(importlib.import_module("grader.attention.test_mla")) == ("bfloat16",)
+    assert dtypes_drawn_on_gpu_only(importlib.import_module("grader.moe.test_router")) == ()
 
 
 def test_the_score_table_says_which_dtypes_are_graded_on_submission():

@@ -20,11 +20,12 @@ from assignment.registry import BY_ID
 from grader.attention import hybrid_cases as hc
 from grader.attention.hybrid_cases import HybridCase, hybrid_cases
 from grader.checks.compare import assert_close, assert_raises
+from grader.checks.marks import drawn_dtypes
 from grader.checks.outcomes import StudentError, WrongAnswer
 from grader.checks.profiles import examples
 
 PROBLEM = BY_ID["attention.hybrid"]
-DTYPES = (torch.float32, torch.bfloat16) if torch.cuda.is_available() else (torch.float32,)
+DTYPES = drawn_dtypes(torch.float32)
 TOLERANCE = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 # The cache tests' stack: L L L A, so both kinds of entry are measured.
 # Past a chunk of 64 tokens, with a prompt that ends inside the second: where a chunked form hands its state on.

@@ -23,7 +23,7 @@ from grader.attention.linear_cases import (
     worked_example,
 )
 from grader.attention.speed_cases import SPEEDS
-from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.marks import bf16_gpu_only, drawn_dtypes, gpu_only
 from grader.checks.profiles import examples
 from grader.speed.grading import grade_speed
 
@@ -31,7 +31,7 @@ PROBLEM = BY_ID["attention.linear_attention"]
 # Graded in every profile: every feature at once (views of [batch, seq, heads, dim], T past two chunks and not a
 # multiple of C, K != V, gates and an initial state where the problem has them).
 WORKED = worked_example(LINEAR_ATTENTION)
-DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+DTYPES = drawn_dtypes(torch.float32, torch.float16)
 
 
 @examples(PROBLEM)

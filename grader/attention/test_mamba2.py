@@ -16,7 +16,7 @@ from assignment.registry import BY_ID
 from grader.attention import linear_checks as checks
 from grader.attention.linear_cases import MAMBA2, check_raises, invalid_arguments, linear_cases, worked_example
 from grader.attention.speed_cases import SPEEDS
-from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.marks import bf16_gpu_only, drawn_dtypes, gpu_only
 from grader.checks.profiles import examples
 from grader.checks.strategies import size_scale
 from grader.speed.grading import grade_speed
@@ -25,7 +25,7 @@ PROBLEM = BY_ID["attention.mamba2"]
 # Graded in every profile: every feature at once (views of [batch, seq, heads, dim], T past two chunks and not a
 # multiple of C, K != V, gates and an initial state where the problem has them).
 WORKED = worked_example(MAMBA2)
-DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+DTYPES = drawn_dtypes(torch.float32, torch.float16)
 
 
 @examples(PROBLEM)

@@ -18,11 +18,12 @@ from assignment.registry import BY_ID
 from grader.attention import mla_cases as mc
 from grader.attention.mla_cases import MLACase, mla_cases
 from grader.checks.compare import assert_close, assert_raises
+from grader.checks.marks import drawn_dtypes
 from grader.checks.outcomes import StudentError, WrongAnswer
 from grader.checks.profiles import examples
 
 PROBLEM = BY_ID["attention.mla"]
-DTYPES = (torch.float32, torch.bfloat16) if torch.cuda.is_available() else (torch.float32,)
+DTYPES = drawn_dtypes(torch.float32)
 TOLERANCE = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 # Latents narrower than the heads' keys (12 against 4 x 8): per-head keys of the cache are the largest tensors a
 # decode step can build, and rotary angles up to 40 radians.

@@ -16,11 +16,12 @@ from assignment.registry import BY_ID
 from grader.attention import mtp_cases as mc
 from grader.attention.mtp_cases import MTPCase, mtp_cases
 from grader.checks.compare import assert_close, assert_raises
+from grader.checks.marks import drawn_dtypes
 from grader.checks.outcomes import StudentError, WrongAnswer
 from grader.checks.profiles import examples
 
 PROBLEM = BY_ID["attention.mtp"]
-DTYPES = (torch.float32, torch.bfloat16) if torch.cuda.is_available() else (torch.float32,)
+DTYPES = drawn_dtypes(torch.float32)
 TOLERANCE = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 # Three depths over a sequence with one target at the last: every depth's alignment and the chain between them.
 THREE_DEPTHS = MTPCase(batch=2, seq=9, vocab_size=16, d_model=16, n_heads=2, depth=3, seed=5)

@@ -33,7 +33,7 @@ from grader.attention.window_cases import (
     window_cases,
 )
 from grader.checks.compare import assert_raises
-from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.marks import bf16_gpu_only, drawn_dtypes, gpu_only
 from grader.checks.profiles import examples
 from grader.kernels.attention_cases import (
     TRITON_MAX_BLOCK,
@@ -46,7 +46,7 @@ from grader.kernels.attention_cases import (
 from grader.session.context import current
 from grader.speed.grading import grade_speed
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+DTYPES = drawn_dtypes(torch.float32, torch.float16)
 TOLERANCE = dict(error_multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 # (seq, window): one visible key, windows one short of, at and past a tile and the sequence, a sequence of one.
 EDGES = [(1, 1), (1, 5), (40, 1), (40, 2), (40, 16), (40, 17), (40, 32), (40, 33), (40, 39), (40, 40), (40, 41),

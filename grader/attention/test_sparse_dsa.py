@@ -41,7 +41,7 @@ from grader.attention.dsa_cases import (
 )
 from grader.attention.speed_cases import SPEEDS
 from grader.checks.compare import assert_close, assert_equal, assert_raises
-from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.marks import bf16_gpu_only, drawn_dtypes, gpu_only
 from grader.checks.profiles import examples
 from grader.kernels.attention_cases import (
     TRITON_MAX_BLOCK,
@@ -52,7 +52,7 @@ from grader.kernels.attention_cases import (
 from grader.session.context import current
 from grader.speed.grading import grade_speed
 
-DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+DTYPES = drawn_dtypes(torch.float32, torch.float16)
 TOLERANCE = dict(error_multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 
 

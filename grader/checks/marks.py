@@ -1,7 +1,6 @@
 """Skip conditions and marks shared by the problems' test modules."""
 
-import ast
-from pathlib import Path
+from types import ModuleType
 
 import pytest
 import torch
@@ -24,18 +23,23 @@ def multi_gpu(count: int):
 timed_on_gpu = pytest.mark.timed_on_gpu
 
 
-def dtypes_drawn_on_gpu_only(test_module: Path) -> tuple[str, ...]:
-    """The dtypes a problem's test module draws only where a GPU is present, read from its source: the torch dtypes
-    named in `A if torch.cuda.is_available() else B` and not in B (bfloat16, whose arithmetic Triton's interpreter
-    gets wrong). Tests skipped without a GPU say so themselves; these dtypes are left out of tests that do run."""
-    found: set[str] = set()
-    for node in ast.walk(ast.parse(test_module.read_text())):
-        if isinstance(node, ast.IfExp) and ast.unparse(node.test) == "torch.cuda.is_available()":
-            found |= torch_dtypes(node.body) - torch_dtypes(node.orelse)
+class DrawnDtypes(tuple):
+    """The dtypes a test module draws on this machine; `gpu_only` holds those it draws only where a GPU is present."""
+
+    gpu_only: tuple[torch.dtype, ...] = ()
+
+
+def drawn_dtypes(*everywhere: torch.dtype, gpu_only: tuple[torch.dtype, ...] = (torch.bfloat16,)) -> DrawnDtypes:
+    """`everywhere`, then `gpu_only` where a GPU is present (bfloat16 by default: Triton's interpreter computes its
+    arithmetic wrongly). A test module keeps the result at its top level, where the score table finds it."""
+    drawn = DrawnDtypes(everywhere + (gpu_only if torch.cuda.is_available() else ()))
+    drawn.gpu_only = gpu_only
+    return drawn
+
+
+def dtypes_drawn_on_gpu_only(test_module: ModuleType) -> tuple[str, ...]:
+    """The names of the dtypes a test module draws only where a GPU is present: those of every drawn_dtypes(...) at
+    its top level. Tests skipped without a GPU say so themselves; these dtypes are left out of tests that do run."""
+    found = {str(dtype).removeprefix("torch.") for value in vars(test_module).values()
+             if isinstance(value, DrawnDtypes) for dtype in value.gpu_only}
     return tuple(sorted(found))
-
-
-def torch_dtypes(node: ast.AST) -> set[str]:
-    """The names of the torch dtypes an expression names (torch.bfloat16, ...)."""
-    return {part.attr for part in ast.walk(node) if isinstance(part, ast.Attribute)
-            and ast.unparse(part.value) == "torch" and isinstance(getattr(torch, part.attr, None), torch.dtype)}

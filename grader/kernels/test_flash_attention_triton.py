@@ -14,7 +14,7 @@ from hypothesis import example, given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
-from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.marks import bf16_gpu_only, drawn_dtypes, gpu_only
 from grader.checks.profiles import examples
 from grader.checks.strategies import size_scale
 from grader.kernels.attention_cases import (
@@ -39,7 +39,7 @@ from grader.speed.grading import grade_speed
 
 PROBLEM = BY_ID["kernels.flash_attention_triton"]
 # Triton's interpreter computes bfloat16 arithmetic wrongly: bfloat16 joins the mixed-dtype tests on a GPU only.
-DTYPES = (torch.float32, torch.float16, torch.bfloat16) if torch.cuda.is_available() else (torch.float32, torch.float16)
+DTYPES = drawn_dtypes(torch.float32, torch.float16)
 TOLERANCE = dict(error_multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 
 

@@ -9,7 +9,7 @@ from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_raises
-from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.marks import bf16_gpu_only, drawn_dtypes, gpu_only
 from grader.checks.profiles import examples
 from grader.checks.strategies import TensorCase, dims, leading_shapes, size_scale, tensor_cases
 from grader.kernels.dtype_cases import check_case
@@ -20,7 +20,7 @@ from grader.speed.grading import grade_speed
 PROBLEM = BY_ID["kernels.gelu"]
 
 # bf16 only where it is graded at all: on a GPU.
-EXTREME_DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if torch.cuda.is_available() else ())
+EXTREME_DTYPES = drawn_dtypes(torch.float32, torch.float16)
 
 
 def shapes(max_last: int, max_leading: int = 12) -> st.SearchStrategy[tuple[int, ...]]:

@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_contiguous, assert_raises
-from grader.checks.marks import bf16_gpu_only, gpu_only
+from grader.checks.marks import bf16_gpu_only, drawn_dtypes, gpu_only
 from grader.checks.outcomes import RuleViolation
 from grader.checks.profiles import examples
 from grader.checks.strategies import LAYOUTS, REGIMES, TensorCase, dims, size_scale
@@ -35,7 +35,8 @@ REGIMES_BY_DTYPE = {
 # Tile sizes that M, N and K are drawn around (each +-1).
 TILES = (16, 32, 64, 128)
 # The dtypes a test may draw: bfloat16 only on a GPU (the interpreter's bfloat16 arithmetic is wrong).
-DRAWN_DTYPES = (torch.float32, torch.float16) + ((torch.bfloat16,) if torch.cuda.is_available() else ())
+DRAWN_DTYPES = drawn_dtypes(torch.float32, torch.float16)
+LOW_PRECISION_DTYPES = drawn_dtypes(torch.float16)
 
 
 @dataclass(frozen=True)
@@ -169,8 +170,7 @@ class AccumulationCase:
 def accumulation_cases() -> st.SearchStrategy[AccumulationCase]:
     # K = 64 j + r between 3,000 and 4,200: the running sums pass 3,000; M and N stay small for the interpreter.
     k = st.tuples(st.integers(47, 64), st.integers(0, 63)).map(lambda parts: 64 * parts[0] + parts[1])
-    low_precision = (torch.float16,) + ((torch.bfloat16,) if torch.cuda.is_available() else ())
-    return st.builds(AccumulationCase, m=side(20), n=side(20), k=k, dtype=st.sampled_from(low_precision),
+    return st.builds(AccumulationCase, m=side(20), n=side(20), k=k, dtype=st.sampled_from(LOW_PRECISION_DTYPES),
                      seed=st.integers(0, 2**31 - 1))
 
 
