@@ -302,12 +302,13 @@ def probe(module, function: str, names: list[str], args: list, kwargs: dict, ups
               if isinstance(a, torch.Tensor) else a for a in args]
     large = _LargeTensorRecorder(limit, seq) if limit is not None else contextlib.nullcontext()
     forward_rules = guards.ForbiddenOpRecorder(tuple(forbidden_ops), ALLOWED_OPS if triton_forward else None)
-    report: dict = {"grads": None, "backward_launches": []}
+    report: dict = {"grads": None, "backward_launches": [], "backward_programs": []}
     triton_hooks.LAUNCHES.reset()
     with TRAFFIC.recording() if triton_forward else contextlib.nullcontext(), large:
         with forward_rules:
             result = getattr(module, function)(*inputs, **kwargs)
         report["forward_launches"] = list(triton_hooks.LAUNCHES.names)
+        report["forward_programs"] = list(triton_hooks.LAUNCHES.programs)
         outputs = list(result) if isinstance(result, (tuple, list)) else [result]
         if triton_forward:
             report["unread"] = TRAFFIC.unread({name: a for name, a in zip(names, args) if isinstance(a, torch.Tensor)})
@@ -322,6 +323,7 @@ def probe(module, function: str, names: list[str], args: list, kwargs: dict, ups
                 with backward_rules:
                     torch.autograd.backward([out for out, _ in pairs], [up for _, up in pairs])
             report["backward_launches"] = list(triton_hooks.LAUNCHES.names)
+            report["backward_programs"] = list(triton_hooks.LAUNCHES.programs)
             report["grads"] = [a.grad.detach() if isinstance(a, torch.Tensor) and a.grad is not None else None
                                for a in inputs]
             report["backward_forbidden"] = backward_rules.seen
@@ -377,12 +379,29 @@ LAUNCHES_PER_CHUNK = 4
 LAUNCHES_PER_CALL = 8
 
 
+# Programs one launch may run: PROGRAMS_PER_TILE for each 16 tokens, each 16 x 16 tile of the [K, V] state, each
+# batch and head. The finest grid a chunk's matrix products need is one program per 16-row block (tl.dot's least
+# size) and state tile; the reference runs at most one program per chunk and tile of its own (larger) blocks. A grid
+# of one program per token or per output element redoes a block's work in every program: it exceeds the bound.
+PROGRAMS_PER_TILE = 2
+TILE = 16
+
+
+def programs_bound(case: LinearCase) -> int:
+    tiles = -(-case.k_dim // TILE) * -(-case.v_dim // TILE)
+    return PROGRAMS_PER_TILE * case.batch * case.heads * -(-case.seq // TILE) * tiles
+
+
 def check_launch_count(report: dict, case: LinearCase, shown: str) -> None:
-    """Each pass of the chunked form launches at most LAUNCHES_PER_CHUNK kernels per chunk plus LAUNCHES_PER_CALL:
-    work launched per token is a recurrence, whatever the kernels inside it compute."""
+    """Each pass of the chunked form launches at most LAUNCHES_PER_CHUNK kernels per chunk plus LAUNCHES_PER_CALL
+    (work launched per token is a recurrence, whatever the kernels inside it compute), and no launch runs more than
+    programs_bound(case) programs (a grid per token or per element repeats a block's work). The programs are those
+    of the launch's resolved grid (the interpreter's own; a compiled kernel's, resolved from its arguments): recorded
+    inside the student's process, they catch honest designs, not a hostile one."""
     chunks = -(-case.seq // case.chunk_size)
     bound = LAUNCHES_PER_CHUNK * chunks + LAUNCHES_PER_CALL
-    for direction, launches in (("forward", report["forward_launches"]), ("backward", report["backward_launches"])):
+    for direction in ("forward", "backward"):
+        launches = report[f"{direction}_launches"]
         if len(launches) > bound:
             counted = ", ".join(f"{launches.count(name)} x {name}" for name in dict.fromkeys(launches))
             raise RuleViolation(
@@ -390,6 +409,13 @@ def check_launch_count(report: dict, case: LinearCase, shown: str) -> None:
                 f"tokens in {chunks} chunks of {case.chunk_size}; at most {bound} are allowed ({LAUNCHES_PER_CHUNK} "
                 f"per chunk + {LAUNCHES_PER_CALL}): launching per token runs the recurrence, not the chunked form "
                 f"({case.describe()})")
+        most = programs_bound(case)
+        for name, programs in zip(launches, report[f"{direction}_programs"]):
+            if programs is not None and programs > most:
+                raise RuleViolation(
+                    f"{shown} launched {name} with a grid of {programs} programs in its {direction}; at most {most} "
+                    f"are allowed ({PROGRAMS_PER_TILE} per batch, head, {TILE} tokens and {TILE} x {TILE} tile of the "
+                    f"[K, V] state): a program per token or per element repeats its block's work ({case.describe()})")
 
 
 def check_rules(report: dict, shown: str, chunked: bool, backward: bool, context: str) -> None:

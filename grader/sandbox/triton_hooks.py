@@ -354,14 +354,17 @@ def install_autotune_without_benchmarks() -> None:
 
 
 class LaunchRecorder:
-    """Records the names of kernels launched since the last reset(), in launch order.
+    """Records the names of kernels launched since the last reset(), in launch order, and each launch's number of
+    programs (the product of its grid; None where a compiled kernel's callable grid could not be resolved here).
 
     One launch is one `kernel[grid](...)` call: an autotuned kernel counts once,
-    however many configurations it benchmarks; warmup (compile-only) calls do not count.
+    however many configurations it benchmarks (its programs are those of its last run, the chosen configuration's);
+    warmup (compile-only) calls do not count.
     """
 
     def __init__(self) -> None:
         self.names: list[str] = []
+        self.programs: list[int | None] = []
 
     def install(self) -> None:
         _install_launch_hooks()
@@ -370,6 +373,32 @@ class LaunchRecorder:
 
     def reset(self) -> None:
         self.names = []
+        self.programs = []
+
+
+def _note_programs(programs: int | None) -> None:
+    """The launch running now (the last one recorded) runs `programs` programs."""
+    if programs is None:
+        return
+    for recorder in _RECORDERS:
+        if recorder.programs:
+            recorder.programs[-1] = programs
+
+
+def _grid_programs(kernel: Any, args: tuple, kwargs: dict) -> int | None:
+    """The number of programs of a launch, its grid resolved as Triton resolves it (a callable grid gets the launch's
+    arguments by name); None when the grid needs values the call does not name (an autotuner's configuration, which
+    its inner launch names)."""
+    grid = kwargs.get("grid")
+    if callable(grid):
+        try:
+            grid = grid({**dict(zip(getattr(kernel, "arg_names", ()), args)), **kwargs})
+        except (KeyError, TypeError, AttributeError):
+            return None
+    try:
+        return int(np.prod([int(extent) for extent in grid]))
+    except (TypeError, ValueError):
+        return None
 
 
 _RECORDERS: list[LaunchRecorder] = []
@@ -382,11 +411,16 @@ def _record_launches(original: Callable) -> Callable:
 
     def run(self, *args, **kwargs):
         depth = getattr(_NESTING, "depth", 0)
-        if kwargs.get("warmup", False) or depth:
+        if kwargs.get("warmup", False):
+            return original(self, *args, **kwargs)
+        if depth:  # an autotuner's run of one configuration: its grid is the recorded launch's
+            _note_programs(_grid_programs(self, args, kwargs))
             return original(self, *args, **kwargs)
         name = _kernel_name(self)
+        programs = _grid_programs(self, args, kwargs)
         for recorder in _RECORDERS:
             recorder.names.append(name)
+            recorder.programs.append(programs)
         _NESTING.depth = depth + 1
         try:
             kernel = original(self, *args, **kwargs)
@@ -401,6 +435,15 @@ def _record_launches(original: Callable) -> Callable:
         return kernel
 
     return run
+
+
+def _record_grid(original: Callable) -> Callable:
+
+    def set_grid_dim(self, *grid):
+        _note_programs(int(np.prod(grid)))
+        return original(self, *grid)
+
+    return set_grid_dim
 
 
 def _record_blocks(original: Callable) -> Callable:
@@ -420,9 +463,11 @@ def _install_launch_hooks() -> None:
     _patch(JITFunction, "run", _record_launches)
     _patch(Autotuner, "run", _record_launches)
     if _interpreting():
-        from triton.runtime.interpreter import InterpretedFunction, TensorHandle
+        from triton.runtime.interpreter import InterpretedFunction, InterpreterBuilder, TensorHandle
 
         _patch(InterpretedFunction, "run", _record_launches)
+        # The interpreter's own resolved grid, whatever form the launch gave it in.
+        _patch(InterpreterBuilder, "set_grid_dim", _record_grid)
         # Every value an interpreted kernel computes is a TensorHandle around a numpy array of the block's shape.
         _patch(TensorHandle, "__post_init__", _record_blocks)
 
