@@ -40,7 +40,7 @@ from grader.attention.dsa_cases import (
     topk_cases,
 )
 from grader.attention.speed_cases import SPEEDS
-from grader.checks.compare import assert_close, assert_equal, assert_raises
+from grader.checks.compare import assert_close, assert_contiguous, assert_equal, assert_raises
 from grader.checks.marks import bf16_gpu_only, drawn_dtypes, gpu_only
 from grader.checks.profiles import examples
 from grader.kernels.attention_cases import (
@@ -124,6 +124,7 @@ def test_topk_edges(student, reference, case):
 
 
 def check_output(report: dict, want, case: SparseCase) -> None:
+    assert_contiguous(report["output"], "output o of sparse_attention", case.describe())
     assert_close(report["output"], want.output64, want.at_dtype["output"], what="output o of sparse_attention",
                  context=case.describe(), multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 
