@@ -29,6 +29,7 @@ from grader.sandbox import isolation, policy, source_policy
 from grader.sandbox.client import Sandbox
 from grader.session import backend, budget, dump, lanes, outer_timeout, reference_lock, seal
 from grader.session.context import Context, current, secret_seed, set_current, take_secret_seed
+from grader.session.items import problem_of
 from grader.session.outer_timeout import pytest_timeout_set_timer  # pytest-timeout's hook, owned here
 from grader.session.packages import PackageSpec, load_problem_module, resolve
 from grader.session.progress import Progress
@@ -295,11 +296,6 @@ def private_copy(impl: PackageSpec, sandbox: isolation.Isolation) -> PackageSpec
     if sandbox.level == "uid":
         folder.chmod(0o755)  # the copy itself is world-readable; the sandbox's user must get through to it
     return PackageSpec(impl.name, copy)
-
-
-def problem_of(item: pytest.Item) -> Problem | None:
-    module = getattr(item, "module", None)
-    return problem_for_test_module(module.__name__) if module is not None else None
 
 
 def group_of(item: pytest.Item) -> str:

@@ -35,6 +35,7 @@ from pathlib import Path
 import pytest
 
 from assignment.registry import Problem
+from grader.session.items import problem_of
 from grader.session.scoring import TestResult
 
 POLL_S = 0.5
@@ -156,8 +157,6 @@ def lane_environment(profile: str, secret_seed: int | None) -> dict[str, str]:
 def deal_items(session: pytest.Session, lanes: int, seconds: dict[str, float]) -> list[list[str]]:
     """The node ids of session.items per lane: whole problems, dealt by `seconds` where it knows every problem, else
     by the profile's examples per test."""
-    from grader.plugin import problem_of
-
     nodeids_by_problem: dict[str, list[str]] = {}
     work: dict[str, float] = {}
     for item in session.items:
