@@ -27,13 +27,13 @@ import tokenize
 from pathlib import Path
 from types import ModuleType
 
-from grader.checks.sheet_syntax import sheet_assignment
+from assignment.sheet_syntax import sheet_assignment
 from grader.sandbox import source_policy
 
 HANDOUT_DIR = Path("assignment") / "handout"
 TEMPLATE = HANDOUT_DIR / "handout.typ"
 REGISTRY = Path("assignment") / "registry.py"
-SHEET_SYNTAX = Path("grader") / "checks" / "sheet_syntax.py"  # which assignment of an answer sheet is printed
+SHEET_SYNTAX = Path("assignment") / "sheet_syntax.py"  # which assignment of an answer sheet is printed
 SOURCE_POLICY = Path("grader") / "sandbox" / "source_policy.py"  # the rules a submission's source follows
 STUBS_DIR = Path("student_impl")
 OUTPUT = Path("handout.pdf")
@@ -257,7 +257,7 @@ def printed_lines(node, comments: dict[int, str]) -> list[tuple[int, str]]:
 def answer_sheet(module: ast.Module, source: str) -> tuple[int, str] | None:
     """An analysis problem's `ANSWERS = {...}` (grader.checks.answers) as the source writes it, with the comment
     above each question, and its first line number; None for a module that is not an answer sheet. The assignment
-    the grader reads (grader.checks.sheet_syntax)."""
+    the grader reads (assignment.sheet_syntax)."""
     node = sheet_assignment(module)
     return None if node is None else (node.lineno, ast.get_source_segment(source, node, padded=True))
 

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import torch
 
+from assignment.sheet_syntax import SHEET_VARIABLE, sheet_assignment
 from grader.checks.outcomes import NotImplementedByStudent, WrongAnswer
-from grader.checks.sheet_syntax import SHEET_VARIABLE, sheet_assignment
 
 # A sheet is a few dozen short lines; a larger file is refused before it is parsed.
 MAX_SHEET_BYTES = 64 * 1024

@@ -1,6 +1,7 @@
 """Where an answer sheet's answers are in its syntax tree: the last top-level assignment to ANSWERS, plain or
 annotated, as Python would leave it. The grader reads the answers from it (grader.checks.answers) and the handout's
-build prints it (assignment.handout.build); this module imports nothing else, so the build stays free of torch."""
+build prints it (assignment.handout.build); this module imports nothing else, so the build stays free of torch. It
+lives in assignment/ and not in grader/ because the build imports it, and assignment/ imports no grader module."""
 
 from __future__ import annotations
 
