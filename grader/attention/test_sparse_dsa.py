@@ -267,6 +267,8 @@ INVALID = [
                  id="per-head-keys"),
     pytest.param(FUNCTION, _attention_args(kv_shapes=((1, 6, 16), (1, 6, 16))), "ValueError",
                  id="key-length-differs"),
+    pytest.param(FUNCTION, _attention_args(kv_shapes=((1, 5, 16), (1, 6, 16))), "ValueError",
+                 id="value-length-differs"),
     pytest.param(FUNCTION, _attention_args(indices_shape=(1, 4, 3)), "ValueError", id="indices-seq-differs"),
     pytest.param(FUNCTION, _attention_args(indices_shape=(1, 5, 0)), "ValueError", id="topk=0"),
     pytest.param(FUNCTION, _attention_args(index_dtype=torch.int32), "TypeError", id="indices-int32"),
