@@ -31,6 +31,10 @@ TOLERANCE = dict(multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps)
 # Past a chunk of 64 tokens, with a prompt that ends inside the second: where a chunked form hands its state on.
 LONG_CASE = HybridCase(batch=1, seq=80, d_model=16, n_heads=1, head_dim=8, n_layers=2, attention_every=2, prefill=70,
                        seed=3)
+# A one-token prompt, then decoding: the second token's attention sees a cache of one key and its own (a shortcut
+# that treats one cached key as none, or aligns a causal mask to the top left, shows only here).
+ONE_TOKEN_PROMPT_CASE = HybridCase(batch=2, seq=4, d_model=16, n_heads=2, head_dim=8, n_layers=2, attention_every=2,
+                                   prefill=1, seed=7)
 # d_model = n_heads * head_dim: a cache of anything [B, t, d_model] per token (the normalised inputs, say) has the
 # bytes of the keys and values, so the cache's contents are compared too (test_decode_matches_forward).
 CACHE_CASE = HybridCase(batch=2, seq=hc.LONG_PREFILL, d_model=32, n_heads=2, head_dim=16, n_layers=4,
@@ -121,6 +125,7 @@ def assert_cache_close(got: dict, want64: dict, yardsticks: tuple[dict, ...], to
 
 @examples(PROBLEM)
 @example(case=LONG_CASE)
+@example(case=ONE_TOKEN_PROMPT_CASE)
 @given(case=hybrid_cases(DTYPES))
 def test_decode_matches_forward(student, reference, case):
     """prefill(x[:, :P]) then decode of x[:, P], x[:, P+1], ... gives forward(x): the prompt's outputs and every decoded
