@@ -84,6 +84,9 @@ class LinearCase:
     beta: str = "mixed"
     initial_state: bool = False
     seed: int = 0
+    # "state": only the final state's gradient flows back (o unused downstream: autograd may pass its gradient as
+    # None, which a backward must take as zeros); "both": o's and the final state's.
+    upstream: str = "both"
 
     @property
     def names(self) -> tuple[str, ...]:
@@ -114,7 +117,7 @@ class LinearCase:
             values["beta"] = betas(self.beta, (b, h, t), generator)
         if self.initial_state:
             values["initial_state"] = normal(b, h, self.k_dim, self.v_dim)
-        values["grad_o"] = normal(b, h, t, self.v_dim)
+        values["grad_o"] = normal(b, h, t, self.v_dim) * (self.upstream != "state")
         if self.recurrence.has_state:
             values["grad_state"] = normal(b, h, self.k_dim, self.v_dim)
         return {name: tensor.to(self.travels_in(name)).double() for name, tensor in values.items()}
@@ -132,6 +135,7 @@ class LinearCase:
         gates = "".join(f", {name}={getattr(self, 'decay' if name == 'g' else 'beta')}"
                         for name in self.recurrence.gates)
         state = ", initial_state=given" if self.initial_state else ""
+        state += ", gradient through the final state only (None for o)" if self.upstream == "state" else ""
         return (f"batch={self.batch}, heads={self.heads}, seq={self.seq}, K={self.k_dim}, V={self.v_dim}, "
                 f"dtype={str(self.dtype).removeprefix('torch.')}, chunk_size={self.chunk_size}, layout={self.layout}"
                 f"{gates}{state}, seed={self.seed}")
@@ -351,7 +355,8 @@ def arg_names(case: LinearCase) -> list[str]:
 
 
 def upstream_of(case: LinearCase, tensors: dict[str, torch.Tensor]) -> list:
-    return [tensors["grad_o"], tensors["grad_state"]] if case.recurrence.has_state else [tensors["grad_o"]]
+    grad_o = None if case.upstream == "state" else tensors["grad_o"]
+    return [grad_o, tensors["grad_state"]] if case.recurrence.has_state else [grad_o]
 
 
 def run_form(student, case: LinearCase, form: str, tensors: dict, backward: bool = False, grader_work=None,

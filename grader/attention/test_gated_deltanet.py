@@ -9,6 +9,8 @@ reference's chunked form at the input dtype setting the tolerance. bfloat16 is g
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -27,6 +29,8 @@ PROBLEM = BY_ID["attention.gated_deltanet"]
 # Graded in every profile: every feature at once (views of [batch, seq, heads, dim], T past two chunks and not a
 # multiple of C, K != V, gates and an initial state where the problem has them).
 WORKED = worked_example(GATED_DELTANET)
+# Only the final state used downstream: o's gradient reaches the backward as None (or zeros).
+STATE_ONLY_UPSTREAM = replace(WORKED, upstream="state")
 DTYPES = drawn_dtypes(torch.float32, torch.float16)
 
 
@@ -59,6 +63,7 @@ def test_chunked_bf16(student, reference, case):
 
 @examples(PROBLEM)
 @example(case=WORKED)
+@example(case=STATE_ONLY_UPSTREAM)
 @given(case=linear_cases(GATED_DELTANET, DTYPES))
 def test_backward(student, reference, case):
     """dq, dk, dv, dg, dbeta and the initial state's gradient, from upstream gradients on o and on the final state."""

@@ -7,6 +7,8 @@ reference's chunked form at the input dtype setting the tolerance. bfloat16 is g
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from hypothesis import example, given
@@ -25,6 +27,8 @@ PROBLEM = BY_ID["attention.mamba2"]
 # Graded in every profile: every feature at once (views of [batch, seq, heads, dim], T past two chunks and not a
 # multiple of C, K != V, gates and an initial state where the problem has them).
 WORKED = worked_example(MAMBA2)
+# Only the final state used downstream: o's gradient reaches the backward as None (or zeros).
+STATE_ONLY_UPSTREAM = replace(WORKED, upstream="state")
 DTYPES = drawn_dtypes(torch.float32, torch.float16)
 
 
@@ -57,6 +61,7 @@ def test_chunked_bf16(student, reference, case):
 
 @examples(PROBLEM)
 @example(case=WORKED)
+@example(case=STATE_ONLY_UPSTREAM)
 @given(case=linear_cases(MAMBA2, DTYPES))
 def test_backward(student, reference, case):
     """dq, dk, dv, dg and the initial state's gradient, from upstream gradients on o and on the final state."""
