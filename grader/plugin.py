@@ -24,7 +24,7 @@ from grader.checks.inert import inert
 from grader.checks.outcomes import NotImplementedByStudent, RuleViolation
 from grader.cluster import site
 from grader.cluster.snapshot import BadSubmission, snapshot
-from grader.distributed.launcher import RankJob, launcher_for
+from grader.ranks.launcher import RankJob, launcher_for
 from grader.sandbox import isolation, policy, source_policy
 from grader.sandbox.client import Sandbox
 from grader.session import backend, budget, dump, lanes, outer_timeout, reference_lock, seal

@@ -19,8 +19,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from grader.checks.outcomes import WrongAnswer
-from grader.distributed.launcher import LocalLauncher, RankJob
 from grader.parallel.test_collectives import byte_bounds, check_bytes
+from grader.ranks.launcher import LocalLauncher, RankJob
 from grader.sandbox import isolation, source_policy
 from grader.session.packages import resolve
 from tests.grading import ROOT, assert_fails_for, run_grader

@@ -24,7 +24,7 @@ import torch
 
 from assignment.registry import BY_ID
 from grader.checks.inert import inert
-from grader.distributed.launcher import last_progress, last_words, log_tail, read_reply
+from grader.ranks.launcher import last_progress, last_words, log_tail, read_reply
 from grader.sandbox import wire
 from grader.sandbox.client import ReplyConnection, output_tail
 from grader.sandbox.wire import ReplyRefused, decode_reply, encode

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut
-from grader.distributed.launcher import LocalLauncher, RankJob, SubmititLauncher
+from grader.ranks.launcher import LocalLauncher, RankJob, SubmititLauncher
 from grader.sandbox import isolation
 from grader.session.packages import resolve
 from tests.grading import ROOT, processes_with

@@ -10,7 +10,7 @@ import pytest
 
 from assignment.registry import SpeedThreshold
 from grader.checks.outcomes import WrongAnswer
-from grader.distributed.step_time import check_same_training, grade_step_time, launch_step_time
+from grader.ranks.step_time import check_same_training, grade_step_time, launch_step_time
 
 THRESHOLD = SpeedThreshold(shapes=((1,),))
 

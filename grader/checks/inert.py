@@ -2,7 +2,7 @@
 printed, the names they chose. As it came, such text could act on the terminal that shows it (a carriage return and
 ESC [K redraw a failing row of the score table as "passed 16/16") or bury the grade under megabytes.
 
-It is made inert where it enters the grader's messages (grader.sandbox.client, grader.distributed.launcher), and
+It is made inert where it enters the grader's messages (grader.sandbox.client, grader.ranks.launcher), and
 again where the score table, the failure summary and the results file are written (grader.session.report).
 """
 

@@ -1,7 +1,7 @@
 """Grading parallel.activation_checkpointing: a block run so that backward recomputes its activations.
 
 The program `run_block` builds a block and its inputs from a case, runs forward (checkpointed by the given module, or
-plain), measures the bytes still held when forward returns (grader.distributed.memory: every storage allocated during
+plain), measures the bytes still held when forward returns (grader.ranks.memory: every storage allocated during
 the call and alive afterwards, wherever it is referenced), runs backward and draws the next random numbers. It runs
 in the worker with the student's module, and here with the reference's and with none (the plain block, the expected
 values: a correct recomputation replays the same operations on the same values, so it matches to rounding).
@@ -20,7 +20,7 @@ from grader.checks.compare import assert_close
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed.memory import MemoryProbe
+from grader.ranks.memory import MemoryProbe
 
 PROBLEM = BY_ID["parallel.activation_checkpointing"]
 # The checkpointed forward may keep, beyond its outputs, at most this fraction of what the plain block keeps.

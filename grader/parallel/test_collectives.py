@@ -28,9 +28,9 @@ from grader.checks.compare import assert_equal
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds, dims
-from grader.distributed import recorder
-from grader.distributed.rank import rank_device
-from grader.distributed.rank_data import without_seeds
+from grader.ranks import recorder
+from grader.ranks.rank import rank_device
+from grader.ranks.rank_data import without_seeds
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.collectives"]

@@ -18,10 +18,10 @@ from grader.checks.compare import assert_close, largest_magnitude
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed import recorder
-from grader.distributed.rank import rank_device
-from grader.distributed.rank_data import plain_state, row_shards
 from grader.parallel.models import check_module_kept, shard_mean_loss
+from grader.ranks import recorder
+from grader.ranks.rank import rank_device
+from grader.ranks.rank_data import plain_state, row_shards
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.ddp"]

@@ -20,11 +20,12 @@ from grader.checks.marks import multi_gpu
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed import recorder
-from grader.distributed.rank import rank_device
-from grader.distributed.rank_data import plain_state, row_shards
-from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
-from grader.distributed.subgroups import (
+from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss
+from grader.ranks import recorder
+from grader.ranks.rank import rank_device
+from grader.ranks.rank_data import plain_state, row_shards
+from grader.ranks.step_time import grade_step_time, time_steps, weight_sums
+from grader.ranks.subgroups import (
     group_case,
     inputs_by_group,
     join_group,
@@ -32,7 +33,6 @@ from grader.distributed.subgroups import (
     results_by_group,
     with_setup,
 )
-from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.ddp_bucketed"]

@@ -21,10 +21,10 @@ from grader.checks.compare import assert_close
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed import recorder
-from grader.distributed.raised import check_value_errors, raised_by
-from grader.distributed.rank import rank_device
-from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
+from grader.ranks import recorder
+from grader.ranks.raised import check_value_errors, raised_by
+from grader.ranks.rank import rank_device
+from grader.ranks.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.expert_parallel"]

@@ -2,10 +2,10 @@
 
 The program `train_on_rank` runs inside each rank process with the student's module: it wraps a stack of blocks (one
 unit per block), trains a few steps on the rank's rows, and returns the shards, their gradients, the collectives of
-each step and, when asked, the rank's peak tensor bytes during a step (grader.distributed.memory). A rank receives
+each step and, when asked, the rank's peak tensor bytes during a step (grader.ranks.memory). A rank receives
 only its own inputs, built here (the initial weights and its rows of the batch): no rank can rebuild another's rows.
 Everything is compared here against single-process training on the full batch. In test_process_group the world splits
-into groups (grader.distributed.subgroups), each training its own case.
+into groups (grader.ranks.subgroups), each training its own case.
 """
 
 from __future__ import annotations
@@ -23,14 +23,14 @@ from grader.checks.marks import multi_gpu
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed import recorder
-from grader.distributed.memory import MemoryProbe, probe_point
-from grader.distributed.raised import not_raising, raised_by
-from grader.distributed.rank import rank_device
-from grader.distributed.rank_data import plain_state, row_shards, without_seeds
-from grader.distributed.step_time import grade_step_time, time_steps, weight_sums
-from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.parallel.models import shard_mean_loss
+from grader.ranks import recorder
+from grader.ranks.memory import MemoryProbe, probe_point
+from grader.ranks.raised import not_raising, raised_by
+from grader.ranks.rank import rank_device
+from grader.ranks.rank_data import plain_state, row_shards, without_seeds
+from grader.ranks.step_time import grade_step_time, time_steps, weight_sums
+from grader.ranks.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.fsdp"]

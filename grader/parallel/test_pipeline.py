@@ -24,11 +24,11 @@ from grader.checks.compare import assert_close, assert_raises
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed.raised import not_raising, raised_by
-from grader.distributed.rank import rank_device
-from grader.distributed.rank_data import without_seeds
-from grader.distributed.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
 from grader.parallel.bubble import BACKWARD_S, FORWARD_S, ideal_bubble, measured_bubbles, serial_bubble
+from grader.ranks.raised import not_raising, raised_by
+from grader.ranks.rank import rank_device
+from grader.ranks.rank_data import without_seeds
+from grader.ranks.subgroups import group_case, inputs_by_group, join_group, results_by_group, with_setup
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.pipeline"]

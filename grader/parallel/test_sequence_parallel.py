@@ -13,7 +13,7 @@ the inputs' seed) and only the rank's own tokens of the input and of the upstrea
 sees hold only shapes, so no rank can rebuild another rank's tokens without communicating.
 
 test_process_group runs the two collectives and the block with dropout in a world of four split into two groups of
-two (grader/distributed/subgroups.py), each group with its own weights and data: a collective over the default group
+two (grader/ranks/subgroups.py), each group with its own weights and data: a collective over the default group
 mixes the two groups' tokens or gradients.
 """
 
@@ -29,11 +29,11 @@ from grader.checks.compare import assert_close, assert_equal
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed import recorder
-from grader.distributed.raised import not_raising, raised_by
-from grader.distributed.rank import rank_device
-from grader.distributed.rank_data import integer_tensor, without_seeds
-from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
+from grader.ranks import recorder
+from grader.ranks.raised import not_raising, raised_by
+from grader.ranks.rank import rank_device
+from grader.ranks.rank_data import integer_tensor, without_seeds
+from grader.ranks.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.sequence_parallel"]

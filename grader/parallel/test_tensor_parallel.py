@@ -14,7 +14,7 @@ inputs and full weights, so their values could be computed on one rank alone: te
 that they communicate.
 
 test_process_group runs the same layers, and the regions f and g called directly, in a world of four split into two
-groups of two (grader/distributed/subgroups.py), each group with its own weights and data: a collective over the
+groups of two (grader/ranks/subgroups.py), each group with its own weights and data: a collective over the
 default group sums four ranks' numbers instead of two.
 """
 
@@ -30,11 +30,11 @@ from grader.checks.compare import assert_close, assert_equal
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed import recorder
-from grader.distributed.raised import check_value_errors, raised_by
-from grader.distributed.rank import rank_device
-from grader.distributed.rank_data import integer_tensor, without_seeds
-from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
+from grader.ranks import recorder
+from grader.ranks.raised import check_value_errors, raised_by
+from grader.ranks.rank import rank_device
+from grader.ranks.rank_data import integer_tensor, without_seeds
+from grader.ranks.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.tensor_parallel"]

@@ -4,7 +4,7 @@ The program `train_on_rank` runs inside each rank process with the student's ZeR
 initial weights and its rows of the batch, built here): no rank can rebuild another's. The gradients each rank holds
 after synchronisation, its weights after every step and its collectives come back here, and are compared with
 single-process training by the unsharded optimizer on the full batch and with the pinned partition. In
-test_process_group the world splits into groups (grader.distributed.subgroups), each training its own case.
+test_process_group the world splits into groups (grader.ranks.subgroups), each training its own case.
 """
 
 from __future__ import annotations
@@ -21,13 +21,13 @@ from grader.checks.compare import assert_close, largest_magnitude
 from grader.checks.outcomes import WrongAnswer
 from grader.checks.profiles import examples
 from grader.checks.strategies import data_seeds
-from grader.distributed import recorder
-from grader.distributed.memory import MemoryProbe, allocated_bytes
-from grader.distributed.rank import rank_device
-from grader.distributed.rank_data import plain_state, row_shards, without_seeds
-from grader.distributed.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
-from grader.distributed.travel import check_parameters_travel
 from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss, tied_mlp_from_state
+from grader.ranks import recorder
+from grader.ranks.memory import MemoryProbe, allocated_bytes
+from grader.ranks.rank import rank_device
+from grader.ranks.rank_data import plain_state, row_shards, without_seeds
+from grader.ranks.subgroups import group_case, inputs_by_group, join_group, rank_name, results_by_group
+from grader.ranks.travel import check_parameters_travel
 from grader.session.context import world_sizes
 
 PROBLEM = BY_ID["parallel.zero2"]

@@ -8,9 +8,9 @@ interpreter. Each rank holds only its own inputs' descriptor; the group records 
 
 Two ways to run it:
 
-- `python -m grader.distributed.group RUN_DIR WORLD_SIZE`: one launch, the ranks' inputs on the descriptors listed in
-  GRADER_RANK_DATA_FDS (started by `grader.distributed.host`, for Slurm and submitit launches).
-- `python -m grader.distributed.group --serve ROOT CONTROL_FD`: many launches, one after another, each requested by
+- `python -m grader.ranks.group RUN_DIR WORLD_SIZE`: one launch, the ranks' inputs on the descriptors listed in
+  GRADER_RANK_DATA_FDS (started by `grader.ranks.host`, for Slurm and submitit launches).
+- `python -m grader.ranks.group --serve ROOT CONTROL_FD`: many launches, one after another, each requested by
   the grader on the control socket (a launch folder below ROOT and its world size, with the ranks' inputs as passed
   descriptors) and answered "done" once every rank has ended and whatever they left running has been killed.
 """
@@ -144,7 +144,7 @@ def serve(root: Path, control: socket.socket, entry) -> None:
 
 def main() -> int:
     sys.path.insert(0, str(Path.cwd()))
-    from grader.distributed import rank as entry  # with torch: once, before any fork
+    from grader.ranks import rank as entry  # with torch: once, before any fork
 
     for module in entry.PRELOADED:
         importlib.import_module(module)

@@ -1,4 +1,4 @@
-"""The trusted start of one launch of ranks: `python -m grader.distributed.host RUN_DIR`.
+"""The trusted start of one launch of ranks: `python -m grader.ranks.host RUN_DIR`.
 
 Runs outside the sandbox, before any student code, and imports no torch (a launch pays for that in its ranks only).
 It opens each rank's own inputs (`private/rank<r>.data.pt`) and removes the files, so that they exist only as open
@@ -49,7 +49,7 @@ def main() -> int:
     data_fds = rank_data_fds(run, host["world_size"])
     env["GRADER_RANK_DATA_FDS"] = ",".join(map(str, data_fds))
     group = isolation.popen(
-        [sys.executable, "-m", "grader.distributed.group", str(isolation.run_path(shared)), str(host["world_size"])],
+        [sys.executable, "-m", "grader.ranks.group", str(isolation.run_path(shared)), str(host["world_size"])],
         mounts, pass_fds=tuple(data_fds), env=env, stdin=subprocess.DEVNULL,
     )
     for fd in data_fds:

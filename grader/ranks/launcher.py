@@ -1,6 +1,6 @@
 """Launchers run one program on `world_size` ranks and bring back each rank's result.
 
-Every launcher starts the same trusted host process (`grader.distributed.host`), which puts all ranks of the launch
+Every launcher starts the same trusted host process (`grader.ranks.host`), which puts all ranks of the launch
 into one sandbox (see grader.sandbox.isolation) and hands each rank its own inputs on a file descriptor. They share
 one protocol through a run directory: in `shared/` (the only part the sandbox sees) the job description `job.pt` and,
 from each rank, a progress file (one line per collective it entered), a result file (a torch.save of plain data,
@@ -33,7 +33,7 @@ import torch
 
 from grader.checks.inert import escaped, inert
 from grader.checks.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
-from grader.distributed.host import group_sandbox, rank_data_fds
+from grader.ranks.host import group_sandbox, rank_data_fds
 from grader.sandbox.client import exit_description, kill_group
 from grader.sandbox.policy import SECRET_VARIABLES, without_secrets
 from grader.sandbox.wire import ReplyRefused, decode_reply, encode, read_reply_file, read_tail
@@ -107,7 +107,7 @@ def prepare_run_dir(job: RankJob, shared: Path | None = None) -> Path:
 
 
 def host_command(run: Path) -> list[str]:
-    return [sys.executable, "-m", "grader.distributed.host", str(run)]
+    return [sys.executable, "-m", "grader.ranks.host", str(run)]
 
 
 def last_progress(run: Path, rank: int) -> tuple[int, str]:
@@ -243,7 +243,7 @@ def rank_death(run: Path, rank: int, world_size: int, exit_code: int | None) -> 
 
 
 class LocalLauncher:
-    """The ranks as processes on this machine, forked by a group process in its sandbox (grader.distributed.group).
+    """The ranks as processes on this machine, forked by a group process in its sandbox (grader.ranks.group).
 
     The group outlives its launch: one is started for each implementation (the student's code and the reference's
     never share one) on its first launch and kept for the next, so a launch costs forks instead of Python's start
@@ -299,7 +299,7 @@ class RankGroup:
         self.control, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
         with open(self.log, "wb") as log:
             self.process = self.isolation.popen(
-                [sys.executable, "-m", "grader.distributed.group", "--serve", str(self.isolation.run_path(self.shared)),
+                [sys.executable, "-m", "grader.ranks.group", "--serve", str(self.isolation.run_path(self.shared)),
                  str(theirs.fileno())],
                 mounts, pass_fds=(theirs.fileno(),), env=env, stdin=subprocess.DEVNULL, stdout=log,
                 stderr=subprocess.STDOUT,

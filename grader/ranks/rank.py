@@ -1,6 +1,6 @@
 """The entry point of one rank: guards, process group, student module, the grader's program, the result file.
 
-Forked by `grader.distributed.group` inside the launch's sandbox, which calls `main(RUN_DIR)` with
+Forked by `grader.ranks.group` inside the launch's sandbox, which calls `main(RUN_DIR)` with
 RANK, WORLD_SIZE and LOCAL_RANK set, STORE_PATH_VARIABLE (where the launch's c10d store lives) and, when the grader
 gave each rank its own inputs, GRADER_RANK_DATA_FD: a descriptor that only this rank holds, read and closed before the
 process group forms (so before any rank runs student code). The grader's program is resolved before the student's
@@ -8,7 +8,7 @@ module is imported, so replacing it afterwards does not change what runs; what t
 against the grader's own computation, since student code in the same process could change anything else.
 
 The process group's store belongs to this setup alone. Its file has a name drawn at random for the launch, in a folder
-the ranks cannot list (grader.distributed.group.launch_store); the path leaves the environment before the group forms
+the ranks cannot list (grader.ranks.group.launch_store); the path leaves the environment before the group forms
 and stays in no variable of this module; no variable of the environment names a store (MASTER_ADDR and MASTER_PORT are
 removed, should the grader's own environment hold them); and ProcessGroup.get_group_store, the one public method that
 hands a group's store out, is refused. What remains is in-process, through what the source policy refuses: torch's
@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grader.distributed import recorder
+from grader.ranks import recorder
 from grader.sandbox import guards
 from grader.sandbox.policy import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode, to_plain

@@ -186,7 +186,7 @@ class SpeedSpec:
 
 def speed_spec(problem_id: str) -> SpeedSpec | None:
     """The problem's SpeedSpec (in its family's grader.<family>.speed_cases), or None when it is timed otherwise (on
-    several GPUs: grader.distributed.step_time) or not at all."""
+    several GPUs: grader.ranks.step_time) or not at all."""
     try:
         module = importlib.import_module(f"grader.{problem_id.split('.')[0]}.speed_cases")
     except ModuleNotFoundError:
