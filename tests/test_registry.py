@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import ast
+import json
 
 import pytest
 
+from assignment.new_problem import LANES_FILE, UNFILLED
 from assignment.registry import PROBLEMS, ROOT, problem_for_test_module
 from grader.checks.answers import SheetError, literal_answers
 
@@ -50,6 +52,22 @@ def test_problem_has_its_five_places(problem):
     assert (ROOT / problem.test_module).exists()
     assert problem.handout_section.exists()
     assert problem_for_test_module(f"grader.{problem.family}.test_{problem.name}") is problem
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
+def test_no_place_is_left_unfilled(problem):
+    """`python -m assignment new-problem` writes UNFILLED wherever a person must write; each place still holding it
+    is named here, and lane seconds still estimated are named too."""
+    places = {"student_impl": ROOT / "student_impl" / problem.module_path,
+              "reference": ROOT / "reference" / problem.module_path,
+              "grader module": ROOT / problem.test_module, "handout section": problem.handout_section}
+    unfilled = [f"{place} ({path.relative_to(ROOT)})" for place, path in places.items() if UNFILLED in path.read_text()]
+    entry = [problem.title, problem.learns, *problem.evidence.values()]
+    unfilled += ["registry entry (assignment/registry.py)"] if any(UNFILLED in text for text in entry) else []
+    estimated = json.loads((ROOT / LANES_FILE).read_text()).get("estimated", [])
+    unfilled += [f"lane seconds, estimated ({LANES_FILE}: measure with benchmarks/grading_time.py)"] * (
+        problem.id in estimated)
+    assert not unfilled, f"{problem.id} is not filled in yet: " + "; ".join(unfilled)
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
