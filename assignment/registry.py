@@ -398,6 +398,44 @@ PROBLEMS: tuple[Problem, ...] = (
         speed=SpeedThreshold(shapes=((2, 8192, 16, 64, 512), (1, 8192, 64, 128, 2048)), dtypes=("bfloat16",)),
     ),
     Problem(
+        id="attention.mla",
+        title="Multi-head latent attention",
+        hours=5,
+        learns=(
+            "to cache one latent vector and one rotary key per token instead of every head's keys and values, and "
+            "to decode from them by moving the query into the latent space"
+        ),
+        points={
+            "forward": 5,
+            "gradients": 4,
+            "decode_matches_forward": 6,
+            "cache_holds_latents_only": 3,
+            "decode_builds_no_per_head_keys": 3,
+            "cache_bytes": 2,
+            "invalid_arguments": 1,
+        },
+        # Plain PyTorch on small layers: an example costs a fraction of a second.
+        budgets={"ci": 5, "public": 20, "grading": 100},
+    ),
+    Problem(
+        id="attention.mtp",
+        title="Multi-token prediction",
+        hours=3,
+        learns=(
+            "DeepSeek-V3's chain of prediction modules: which token each depth reads and predicts, the shared "
+            "embedding and head, and a loss that keeps every prediction causal"
+        ),
+        points={
+            "logits": 5,
+            "loss": 4,
+            "gradients": 5,
+            "causal_chain": 3,
+            "invalid_arguments": 1,
+        },
+        # Plain PyTorch on small models: an example costs a fraction of a second.
+        budgets={"ci": 5, "public": 20, "grading": 100},
+    ),
+    Problem(
         id="attention.linear_attention",
         title="Linear attention: parallel, recurrent and chunked",
         hours=6,
@@ -491,44 +529,6 @@ PROBLEMS: tuple[Problem, ...] = (
             "invalid_arguments": 1,
         },
         # Plain PyTorch on small stacks: an example costs a fraction of a second, not the interpreter's seconds.
-        budgets={"ci": 5, "public": 20, "grading": 100},
-    ),
-    Problem(
-        id="attention.mla",
-        title="Multi-head latent attention",
-        hours=5,
-        learns=(
-            "to cache one latent vector and one rotary key per token instead of every head's keys and values, and "
-            "to decode from them by moving the query into the latent space"
-        ),
-        points={
-            "forward": 5,
-            "gradients": 4,
-            "decode_matches_forward": 6,
-            "cache_holds_latents_only": 3,
-            "decode_builds_no_per_head_keys": 3,
-            "cache_bytes": 2,
-            "invalid_arguments": 1,
-        },
-        # Plain PyTorch on small layers: an example costs a fraction of a second.
-        budgets={"ci": 5, "public": 20, "grading": 100},
-    ),
-    Problem(
-        id="attention.mtp",
-        title="Multi-token prediction",
-        hours=3,
-        learns=(
-            "DeepSeek-V3's chain of prediction modules: which token each depth reads and predicts, the shared "
-            "embedding and head, and a loss that keeps every prediction causal"
-        ),
-        points={
-            "logits": 5,
-            "loss": 4,
-            "gradients": 5,
-            "causal_chain": 3,
-            "invalid_arguments": 1,
-        },
-        # Plain PyTorch on small models: an example costs a fraction of a second.
         budgets={"ci": 5, "public": 20, "grading": 100},
     ),
     Problem(
