@@ -241,7 +241,8 @@ def test_the_section_prints_these_numbers():
                     "= (1.12, 1.08)^top", "o_1 = 2", "o_2 = 0.16", "o_3 = 2.2", "e^b = (1, 0.5, 0.5)",
                     "A = mat(0, 0, 0; 0.15, 0, 0; 0, 0.4, 0)", "T = mat(1, 0, 0; -0.15, 1, 0; 0.06, -0.4, 1)",
                     "U = vec(1.5, 0.275, 0.89)", "W = mat(0.5, 0; 0.075, 0.2; -0.03, 0.17)",
-                    "W S = (0.5, 0.075, -0.03)^top", "Delta = U - W S = (1, 0.2, 0.92)^top", "64 dot 64 dot 4 = 16384$ bytes"):
+                    "W S = (0.5, 0.075, -0.03)^top", "Delta = U - W S = (1, 0.2, 0.92)^top",
+                    "64 dot 64 dot 4 = 16384$ bytes"):
         assert printed in text, printed
 
 
