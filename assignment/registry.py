@@ -63,6 +63,10 @@ class Problem:
     # (a phrase that follows "You learn"). Every problem states both (tests/test_registry.py).
     hours: float | None = None
     learns: str = ""
+    # The ids of earlier problems whose code or ideas this one directly uses: direct prerequisites only, not what they
+    # build on in turn. Teaching order follows them (every one comes earlier in PROBLEMS, tests/test_registry.py), and
+    # the handout's map of the problems (figures_map.typ) draws each as an arrow.
+    builds_on: tuple[str, ...] = ()
     # Hypothesis examples per test, by profile (empty: the family's).
     budgets: dict[str, int] = field(default_factory=dict)
     # Seconds one call into student code may take (None: the family's), and the least seconds one whole test may
@@ -174,6 +178,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="kernels.row_sum",
         title="Row sums in Triton",
         hours=2,
+        builds_on=("kernels.gelu",),
         learns="to reduce along rows of any length with a blocked loop and a float32 accumulator",
         points={
             "matches_reference_fp32": 4,
@@ -193,6 +198,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="kernels.softmax",
         title="Softmax in Triton",
         hours=3,
+        builds_on=("kernels.row_sum",),
         learns=(
             "a softmax that cannot overflow, and the online maximum and sum that stream a row longer than one block "
             "through once"
@@ -214,6 +220,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="kernels.rmsnorm",
         title="RMSNorm forward and backward in Triton",
         hours=4,
+        builds_on=("kernels.row_sum",),
         learns="to write a backward pass in Triton: an autograd function whose weight gradient sums over every row",
         points={
             "forward_fp32": 4,
@@ -235,6 +242,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="kernels.matmul",
         title="Tiled matrix multiplication in Triton",
         hours=5,
+        builds_on=("kernels.gelu",),
         learns=(
             "tiling for reuse: blocks of both operands on chip, a float32 accumulator, a cache-friendly program "
             "order and a fused epilogue"
@@ -276,6 +284,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="kernels.flash_attention_torch",
         title="FlashAttention-2 in PyTorch",
         hours=5,
+        builds_on=("kernels.softmax",),
         learns=(
             "the FlashAttention-2 algorithm in plain PyTorch tiles: the online softmax over key blocks, the "
             "log-sum-exp kept for backward, and a backward that recomputes the scores"
@@ -295,6 +304,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="kernels.flash_attention_triton",
         title="FlashAttention-2 in Triton",
         hours=8,
+        builds_on=("kernels.flash_attention_torch", "kernels.matmul"),
         learns=(
             "to turn that algorithm into Triton kernels, forward and backward, skipping the blocks a causal mask "
             "hides"
@@ -322,6 +332,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="kernels.analysis",
         title="Analysis questions: Triton kernels",
         hours=2,
+        builds_on=("kernels.softmax", "kernels.matmul", "kernels.flash_attention_triton"),
         learns="to measure what your kernels reach against a copy's bandwidth, and to count the work and traffic of a "
         "tiled matmul and of FlashAttention before writing them",
         points={
@@ -344,6 +355,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="attention.sliding_window",
         title="Sliding-window attention in Triton",
         hours=6,
+        builds_on=("kernels.flash_attention_triton",),
         learns=(
             "to attend to the last w keys only, and to make the kernels skip every block outside the window so that "
             "the work grows with seq times w, not seq squared"
@@ -371,6 +383,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="attention.sparse_dsa",
         title="DeepSeek sparse attention",
         hours=6,
+        builds_on=("kernels.flash_attention_triton",),
         learns=(
             "DeepSeek-V3.2's sparse attention: a cheap indexer scores every past token, each query keeps its top-k, "
             "and a Triton kernel gathers the selected key rows so that attention costs seq times k, not seq squared"
@@ -439,6 +452,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="attention.linear_attention",
         title="Linear attention: parallel, recurrent and chunked",
         hours=6,
+        builds_on=("kernels.flash_attention_triton",),
         learns=(
             "why attention without a softmax is a recurrence with a fixed-size state, and the chunked form that "
             "trains it at matrix-multiply speed"
@@ -465,6 +479,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="attention.mamba2",
         title="Mamba-2: scalar-gated linear attention in log space",
         hours=6,
+        builds_on=("attention.linear_attention",),
         learns="a state that decays, computed stably in log space across chunks, with a state passed in and out",
         points={
             "recurrent_form": 3,
@@ -488,6 +503,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="attention.gated_deltanet",
         title="Gated DeltaNet, chunked through the WY representation",
         hours=10,
+        builds_on=("attention.mamba2",),
         learns=(
             "the delta rule's state update, and the WY representation that chunks it with one triangular solve per "
             "chunk"
@@ -515,6 +531,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="attention.hybrid",
         title="A hybrid stack: Gated DeltaNet and softmax attention, prefill and decode",
         hours=5,
+        builds_on=("attention.gated_deltanet",),
         learns=(
             "to decode token by token: a fixed-size recurrent state beside a growing KV cache, and what each costs "
             "in memory"
@@ -535,6 +552,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="attention.analysis",
         title="Analysis questions: attention",
         hours=2,
+        builds_on=("attention.sliding_window", "attention.linear_attention"),
         learns="to price each attention variant in query-key pairs and cache bytes, to measure how much of the work "
         "a sliding window saves turns into speed, and to find the length where linear attention's cheaper work wins",
         points={
@@ -576,6 +594,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.noisy_topk",
         title="Noisy top-k gating",
         hours=2,
+        builds_on=("moe.router",),
         learns="how learned noise on the logits lets a router explore in training and stay deterministic in evaluation",
         points={
             "indices_and_gates": 5,
@@ -590,6 +609,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.capacity",
         title="Expert capacity and token dropping",
         hours=3,
+        builds_on=("moe.router",),
         learns=(
             "how fixed-size expert buffers force token dropping, and the priority that decides which assignments "
             "stay"
@@ -606,6 +626,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.expert_choice",
         title="Expert-choice routing",
         hours=2,
+        builds_on=("moe.router",),
         learns="routing turned around: each expert picks its tokens, so the load is balanced by construction",
         points={
             "tokens_and_gates": 5,
@@ -621,6 +642,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.sigmoid_router",
         title="Sigmoid router with a selection-only bias",
         hours=2,
+        builds_on=("moe.router",),
         learns="sigmoid affinities, and a bias that steers which experts are chosen without changing the gates",
         points={
             "indices_and_gates": 5,
@@ -635,6 +657,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.bias_balancing",
         title="Auxiliary-loss-free bias balancing",
         hours=1,
+        builds_on=("moe.sigmoid_router",),
         learns="to balance experts without an auxiliary loss: the bias update from the loads a step observed",
         points={
             "loads": 3,
@@ -647,6 +670,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.sequence_balance_loss",
         title="Sequence-wise balance loss",
         hours=2,
+        builds_on=("moe.sigmoid_router",),
         learns="a balance loss taken per sequence, which sees an imbalance a batch-wide loss hides",
         points={
             "loss": 4,
@@ -660,6 +684,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.group_limited_routing",
         title="Group-limited routing",
         hours=2,
+        builds_on=("moe.sigmoid_router",),
         learns="to bound each token's communication by choosing groups of experts before the experts",
         points={
             "groups_and_experts": 5,
@@ -673,6 +698,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.moe_layer",
         title="The MoE feed-forward layer",
         hours=5,
+        builds_on=("moe.router",),
         learns="the whole layer: tokens sorted by expert, one product per expert, shared experts and the gated combine",
         points={
             "output": 4,
@@ -694,6 +720,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.upcycle",
         title="Upcycling a dense MLP into experts",
         hours=2,
+        builds_on=("moe.moe_layer",),
         learns="to turn a trained dense MLP into experts whose layer reproduces it exactly at initialisation",
         points={
             "expert_copies": 3,
@@ -708,6 +735,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.accounting",
         title="Total and activated parameters of an MoE model",
         hours=2,
+        builds_on=("moe.moe_layer",),
         learns="to count an MoE model's total and activated parameters term by term",
         points={
             "published_shapes": 4,
@@ -720,6 +748,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="moe.analysis",
         title="Analysis questions: mixture of experts",
         hours=1,
+        builds_on=("moe.router", "moe.capacity", "moe.accounting"),
         learns="to predict what capacity drops, what the balance loss reads when routing collapses, and how little of "
         "a large MoE model one token uses",
         points={
@@ -801,6 +830,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.ddp",
         title="Data parallelism with overlapped gradient all-reduce",
         hours=4,
+        builds_on=("parallel.collectives",),
         learns="data parallelism that overlaps each gradient's all-reduce with the rest of backward",
         points={
             "broadcast_at_construction": 3,
@@ -826,6 +856,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.ddp_bucketed",
         title="Data parallelism with gradient buckets",
         hours=4,
+        builds_on=("parallel.ddp",),
         learns="why gradients travel in buckets, and how to send each bucket the moment its last gradient is ready",
         points={
             "matches_single_process": 8,
@@ -850,6 +881,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.zero1",
         title="ZeRO-1: sharded optimizer state",
         hours=3,
+        builds_on=("parallel.ddp",),
         learns="to shard the optimizer state across ranks and gather the updated parameters back",
         points={
             "matches_unsharded": 8,
@@ -869,6 +901,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.zero2",
         title="ZeRO-2: sharded gradients and optimizer state",
         hours=4,
+        builds_on=("parallel.zero1",),
         learns="to shard the gradients too, reducing each to the rank that owns it during backward",
         points={
             "matches_single_process": 8,
@@ -890,6 +923,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.fsdp",
         title="Fully sharded data parallelism (ZeRO-3)",
         hours=8,
+        builds_on=("parallel.zero2",),
         learns=(
             "fully sharded training: each unit's parameters gathered just in time and freed after, gradients "
             "reduce-scattered, bf16 compute"
@@ -948,6 +982,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.tensor_parallel",
         title="Tensor parallelism: column- and row-parallel layers, MLP and attention",
         hours=5,
+        builds_on=("parallel.collectives",),
         learns=(
             "to split a block's weights across ranks with column- and row-parallel layers and one all-reduce each "
             "way"
@@ -979,6 +1014,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.sequence_parallel",
         title="Sequence parallelism for the norm and dropout regions",
         hours=4,
+        builds_on=("parallel.tensor_parallel",),
         learns=(
             "to split the norm and dropout regions along the sequence, turning the all-reduce into an all-gather "
             "and a reduce-scatter"
@@ -1004,6 +1040,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.pipeline",
         title="Pipeline parallelism with GPipe and 1F1B schedules",
         hours=6,
+        builds_on=("parallel.collectives",),
         learns=(
             "to split the model into stages and schedule micro-batches through them: GPipe, 1F1B and the bubble "
             "they leave"
@@ -1037,6 +1074,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.expert_parallel",
         title="Expert parallelism with all_to_all dispatch and combine",
         hours=5,
+        builds_on=("parallel.collectives", "moe.moe_layer"),
         learns="to place experts on different ranks and move tokens to them and back with all_to_all",
         points={
             "matches_single_rank": 8,
@@ -1058,6 +1096,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.accounting",
         title="Memory and communication accounting",
         hours=3,
+        builds_on=("parallel.fsdp", "parallel.sequence_parallel"),
         learns="to price a strategy before running it: memory per rank and bytes on the network",
         points={
             "bytes_per_parameter": 3,
@@ -1084,6 +1123,7 @@ PROBLEMS: tuple[Problem, ...] = (
         id="parallel.analysis",
         title="Analysis questions: parallel training",
         hours=3,
+        builds_on=("parallel.ddp_bucketed", "parallel.pipeline", "parallel.accounting"),
         learns="to size a model's state per rank under each ZeRO stage, a pipeline's micro-batches and stashed "
         "activations, and a ring all-reduce's traffic, before running any of them, and to measure a pipeline's bubble "
         "and how gradient buckets trade latency against overlap",

@@ -151,3 +151,15 @@ def test_every_parallel_test_says_what_its_points_rest_on(problem):
     assert set(problem.evidence) == set(problem.points), problem.id
     for group, evidence in problem.evidence.items():
         assert evidence.startswith(("outside:", "in-process:")), (group, evidence)
+
+
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)
+def test_teaching_order_follows_what_each_problem_builds_on(problem):
+    """Every problem a problem builds on exists and comes before it in PROBLEMS (the handout's chapter order and its
+    map of the problems), and none builds on itself."""
+    order = [p.id for p in PROBLEMS]
+    assert problem.id not in problem.builds_on, f"{problem.id} builds on itself"
+    assert len(set(problem.builds_on)) == len(problem.builds_on), f"{problem.id} names a problem twice"
+    for earlier in problem.builds_on:
+        assert earlier in order, f"{problem.id} builds on {earlier}, which is not a registered problem"
+        assert order.index(earlier) < order.index(problem.id), f"{problem.id} builds on {earlier}, taught after it"

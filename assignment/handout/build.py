@@ -372,6 +372,8 @@ def problem_data(root: Path, problem) -> dict:
         "floor_ulps": problem.floor_ulps,
         "hours": problem.hours,
         "learns": problem.learns,
+        # The ids of the earlier problems this one builds on: the arrows of the handout's map (figures_map.typ).
+        "builds_on": list(problem.builds_on),
         "contract": contract,
         "deliverables": deliverables(contract),
         # An analysis problem: the student answers the questions of an answer sheet rather than writing code.
