@@ -17,6 +17,7 @@ written into a temporary implementation package (`materialise`), where it may si
 
 from __future__ import annotations
 
+import difflib
 import re
 import tomllib
 from collections import defaultdict
@@ -102,7 +103,10 @@ def apply_diff(original: str, diff: str, name: str) -> str:
 
     A hunk applies where its header says, shifted by what earlier hunks added or removed, or else at the nearest
     place after the previous hunk where its old lines stand (the reference may have grown elsewhere since the diff
-    was made). A hunk whose old lines stand nowhere is an error: the mutant must be made again.
+    was made). Where they stand nowhere, its context lines are trimmed, one from each end at a time, as `patch`'s
+    fuzz does: an edit of the reference next to a mutant's change, not of the changed lines themselves, leaves the
+    mutant valid (`python -m tests.mutants refresh` then rewrites its diff against the reference as it is). A hunk
+    whose changed lines stand nowhere is an error: the mutant must be made again.
     """
     lines = original.splitlines(keepends=True)
     result: list[str] = []
@@ -111,15 +115,33 @@ def apply_diff(original: str, diff: str, name: str) -> str:
     for header, old, new in hunks(diff, name):
         # Lines count from 1; a hunk that removes nothing names the line it inserts after.
         start = int(header.group(1)) - (1 if header.group(2) != "0" else 0) + shift
-        candidates = [at for at in range(done, len(lines) - len(old) + 1) if lines[at:at + len(old)] == old]
-        if not candidates:
+        for old_at, new_at in fuzzed(old, new):
+            candidates = [at for at in range(done, len(lines) - len(old_at) + 1)
+                          if lines[at:at + len(old_at)] == old_at]
+            if candidates:
+                break
+        else:
             raise ValueError(f"{name}: hunk {header.group(0)} of its {DIFF} does not apply: its old lines\n"
                              f"{''.join(old)}stand nowhere after line {done} of the reference; make the diff again")
         at = min(candidates, key=lambda candidate: abs(candidate - start))
         shift += at - start
-        result += lines[done:at] + new
-        done = at + len(old)
+        result += lines[done:at] + new_at
+        done = at + len(old_at)
     return "".join(result + lines[done:])
+
+
+def fuzzed(old: list[str], new: list[str]):
+    """(old, new) lines of a hunk, then with one, two, ... context lines trimmed from each end, down to none: the
+    lines both sides share at an end are context (a hunk's changed lines are never trimmed, and an insertion keeps at
+    least one line of context to be placed by)."""
+    leading = next((i for i, (a, b) in enumerate(zip(old, new)) if a != b), min(len(old), len(new)))
+    trailing = next((i for i, (a, b) in enumerate(zip(reversed(old), reversed(new))) if a != b),
+                    min(len(old), len(new)) - leading)
+    trailing = min(trailing, min(len(old), len(new)) - leading)
+    for fuzz in range(max(leading, trailing) + 1):
+        head, tail = min(fuzz, leading), min(fuzz, trailing)
+        if len(old) - head - tail > 0:  # an insertion keeps a line to stand on
+            yield old[head:len(old) - tail], new[head:len(new) - tail]
 
 
 def hunks(diff: str, name: str):
@@ -190,3 +212,35 @@ def firsts(mutants: list[Mutant]) -> list[Mutant]:
     for mutant in sorted(mutants, key=lambda m: m.id):
         first.setdefault((mutant.grader_args, mutant.problem), mutant)
     return list(first.values())
+
+
+def refreshed_diff(mutant: Mutant) -> str:
+    """The mutant's diff made again against its base as it stands now (the reference, or its based_on sibling)."""
+    base = load(mutant.folder.parent / mutant.based_on).source() if mutant.based_on else \
+        (REFERENCE / mutant.module_path).read_text()
+    path = mutant.module_path.as_posix()
+    return "".join(difflib.unified_diff(base.splitlines(keepends=True), mutant.source().splitlines(keepends=True),
+                                        f"a/{path}", f"b/{path}"))
+
+
+def refresh(check: bool = False) -> list[Mutant]:
+    """Rewrite every diff whose hunks no longer stand where they say (after edits of the reference beside them);
+    the mutants' modules stay the same. With `check`, write nothing. The mutants whose diffs change."""
+    stale = [mutant for mutant in discover() if refreshed_diff(mutant) != (mutant.folder / DIFF).read_text()]
+    if not check:
+        updates = {mutant.folder / DIFF: refreshed_diff(mutant) for mutant in stale}  # all made before any is written
+        for path, diff in updates.items():
+            path.write_text(diff)
+    return stale
+
+
+if __name__ == "__main__":
+    import argparse
+
+    parser = argparse.ArgumentParser(prog="python -m tests.mutants", description="Rewrite the mutants' diffs against "
+                                     "the reference as it stands (each mutant's module unchanged).")
+    parser.add_argument("command", choices=("refresh",))
+    parser.add_argument("--check", action="store_true", help="list the diffs that would change; write nothing")
+    args = parser.parse_args()
+    for mutant in refresh(check=args.check):
+        print(f"{'stale' if args.check else 'rewrote'}: {mutant.id}")

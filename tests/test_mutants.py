@@ -78,3 +78,34 @@ def test_a_hunk_that_does_not_apply_names_its_mutant():
     changed = (mutants.REFERENCE / mutant.module_path).read_text().replace(removed, "# changed since\n")
     with pytest.raises(ValueError, match=f"{mutant.id}: hunk @@ .* does not apply"):
         mutants.apply_diff(changed, diff, mutant.id)
+
+
+def test_an_edit_of_the_reference_beside_a_change_leaves_the_mutant_valid():
+    """The line just before and just after each hunk's first change edited in the reference (context, not the
+    change): the mutant still applies, to the edited reference with its one change."""
+    checked = 0
+    for mutant in (m for m in MUTANTS if not m.based_on):
+        reference = (mutants.REFERENCE / mutant.module_path).read_text().splitlines(keepends=True)
+        source = mutant.source().splitlines(keepends=True)
+        first = next(i for i, (a, b) in enumerate(zip(reference, source)) if a != b)
+        last_ref, last_src = len(reference) - 1, len(source) - 1
+        while reference[last_ref] == source[last_src]:
+            last_ref, last_src = last_ref - 1, last_src - 1
+        if first == 0 or last_ref + 1 >= len(reference) or last_ref - first > 6 or last_ref < first:
+            continue  # a change at the file's edge, one spread over several hunks, or an insertion (whose only
+            # anchors are the lines around it)
+        edited = [*reference[:first - 1], "# edited beside\n", *reference[first:last_ref + 1], "# edited beside\n",
+                  *reference[last_ref + 2:]]
+        want = [*source[:first - 1], "# edited beside\n", *source[first:last_src + 1], "# edited beside\n",
+                *source[last_src + 2:]]
+        diff = (mutant.folder / mutants.DIFF).read_text()
+        assert mutants.apply_diff("".join(edited), diff, mutant.id) == "".join(want), mutant.id
+        checked += 1
+    assert checked >= 20  # those with one change in one place, away from the docstring
+
+
+def test_refresh_rewrites_diffs_that_give_the_same_modules():
+    for mutant in MUTANTS:
+        base = mutants.load(mutant.folder.parent / mutant.based_on).source() if mutant.based_on else \
+            (mutants.REFERENCE / mutant.module_path).read_text()
+        assert mutants.apply_diff(base, mutants.refreshed_diff(mutant), mutant.id) == mutant.source(), mutant.id
