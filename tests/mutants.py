@@ -1,6 +1,6 @@
 """Deliberately wrong implementations ("mutants"), each stored as a diff against the reference.
 
-A mutant is a folder tests/wrong/<family>_<name>/<variant>/ holding two files:
+A mutant is a folder tests/wrong/<family>/<name>/<variant>/ holding two files:
 
 - change.diff: a unified diff that puts one bug into reference/<family>/<name>.py or, when expect.toml names a
   `based_on` mutant of the same problem, into that mutant's module (wrong implementations of one problem are mostly
@@ -24,12 +24,11 @@ from collections import defaultdict
 from dataclasses import dataclass
 from pathlib import Path
 
-from assignment.registry import BY_ID, PROBLEMS
+from assignment.registry import BY_ID
 from tests.grading import ROOT
 
 WRONG = Path(__file__).resolve().parent / "wrong"
 REFERENCE = ROOT / "reference"
-PROBLEM_OF_FOLDER = {problem.id.replace(".", "_"): problem.id for problem in PROBLEMS}  # "moe_router": "moe.router"
 DIFF = "change.diff"
 EXPECT = "expect.toml"
 EXPECT_KEYS = {"why", "test", "fragments", "any_of", "status", "grader_args", "xfail", "based_on"}
@@ -55,7 +54,7 @@ class Mutant:
 
     @property
     def folder(self) -> Path:
-        return WRONG / self.problem.replace(".", "_") / self.variant
+        return WRONG.joinpath(*self.problem.split(".")) / self.variant
 
     @property
     def module_path(self) -> Path:
@@ -77,9 +76,10 @@ class Mutant:
 
 
 def load(folder: Path) -> Mutant:
-    name = f"{folder.parent.name}/{folder.name}"
-    if folder.parent.name not in PROBLEM_OF_FOLDER:
-        raise ValueError(f"{name}: {folder.parent.name} is no problem's folder name (the problem id with _ for .)")
+    problem = f"{folder.parent.parent.name}.{folder.parent.name}"
+    name = f"{problem}/{folder.name}"
+    if problem not in BY_ID:
+        raise ValueError(f"{name}: {folder.parent.relative_to(WRONG)} is no problem's folder (<family>/<name>)")
     expect = tomllib.loads((folder / EXPECT).read_text())
     unknown, missing = expect.keys() - EXPECT_KEYS, {"why", "test"} - expect.keys()
     if unknown or missing:
@@ -87,11 +87,11 @@ def load(folder: Path) -> Mutant:
     if not expect.get("fragments") and not expect.get("any_of"):
         raise ValueError(f"{name}/{EXPECT}: give the words that name the fault, in fragments or any_of")
     lists = {key: tuple(expect[key]) for key in ("fragments", "any_of", "grader_args") if key in expect}
-    return Mutant(PROBLEM_OF_FOLDER[folder.parent.name], folder.name, **{**expect, **lists})
+    return Mutant(problem, folder.name, **{**expect, **lists})
 
 
 def variant_folders() -> list[Path]:
-    return sorted(path for path in WRONG.glob("*/*") if path.is_dir())
+    return sorted(path for path in WRONG.glob("*/*/*") if path.is_dir())
 
 
 def discover() -> list[Mutant]:

@@ -65,7 +65,7 @@ def test_stubs_get_zero(autograder_zip, tmp_path):
 
 
 def test_wrong_implementation_loses_its_points(autograder_zip, tmp_path):
-    mutant = load(WRONG / PROBLEM.replace(".", "_") / WRONG_VARIANT)
+    mutant = load(WRONG.joinpath(*PROBLEM.split(".")) / WRONG_VARIANT)
     results = run_autograder(autograder_zip, tmp_path, lambda upload: materialise([mutant], upload))
     full = sum(test["max_score"] for test in results["tests"])
     failed = [test for test in results["tests"] if test.get("status") == "failed"]

@@ -35,7 +35,7 @@ def test_lanes_grade_each_problem_as_one_process_would(tmp_path):
     """Three problems in two lanes: a wrong one fails its named test with its detail printed, a correct one keeps
     full marks, a missing one is "not implemented"; the table lists the three, the exit status says some failed."""
     package = tmp_path / "impl"
-    mutant = mutants.load(mutants.WRONG / "moe_accounting" / "tied_counted_twice")
+    mutant = mutants.load(mutants.WRONG / "moe" / "accounting" / "tied_counted_twice")
     mutants.materialise([mutant], package)
     (package / "parallel").mkdir(exist_ok=True)
     shutil.copy(ROOT / "reference" / "parallel" / "accounting.py", package / "parallel" / "accounting.py")

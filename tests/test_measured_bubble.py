@@ -19,7 +19,7 @@ def test_the_bubble_is_measured_on_the_students_pipeline(tmp_path):
     run = run_grader(beside_parallel_sheet(tmp_path / "overlapping", "pipeline", reference, SERIAL_BUBBLES), *SELECTION)
     assert_fails_for(run, "parallel.analysis", "measured_bubble", "measured_bubble_m4: you wrote 0.760",
                      "the grader measured")
-    serial = mutants.load(mutants.WRONG / "parallel_pipeline" / "gpipe_stages_one_after_another")
+    serial = mutants.load(mutants.WRONG / "parallel" / "pipeline" / "gpipe_stages_one_after_another")
     serial_package = beside_parallel_sheet(tmp_path / "serial", "pipeline", serial.source(), SERIAL_BUBBLES)
     run = run_grader(serial_package, *SELECTION)
     assert [t["status"] for t in run.tests_of("parallel.analysis")] == ["passed"], run.output[-3000:]

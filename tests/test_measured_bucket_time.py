@@ -33,7 +33,7 @@ def test_the_step_time_is_measured_on_the_students_ddp(tmp_path):
     run = run_grader(overlapping, *SELECTION)
     assert_fails_for(run, "parallel.analysis", "measured_bucket_step_time",
                      "ddp_step_ms_bucket_0_25mb: you wrote 360 ms", "the grader measured")
-    late = mutants.load(mutants.WRONG / "parallel_ddp_bucketed" / "issues_all_at_end_of_backward")
+    late = mutants.load(mutants.WRONG / "parallel" / "ddp_bucketed" / "issues_all_at_end_of_backward")
     run = run_grader(beside_parallel_sheet(tmp_path / "late", "ddp_bucketed", late.source(), LATE_STEP_MS), *SELECTION)
     assert [t["status"] for t in run.tests_of("parallel.analysis")] == ["passed"], run.output[-3000:]
 
