@@ -220,7 +220,7 @@ def test_blocks_bounded(student, case):
 
 def test_work_linear_in_seq(student):
     """With topk fixed, the work grows linearly in seq: the kernels load the selected keys only. Under the
-    interpreter (CPU), the lanes every load of forward and backward touched at seq = 64, 128 and 192; on a GPU,
+    interpreter (CPU), the lanes every load of forward and backward touched at seq = 32, 64 and 96; on a GPU,
     the time of forward and backward at seq = 4096 and 16384. Both are measured inside the worker."""
     if current().device.type == "cuda":
         check_time_growth(student.run_program(f"{dc.__name__}:seconds_per_call", TIME_LENGTHS, TIME_TOPK),
