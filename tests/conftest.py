@@ -43,3 +43,14 @@ def students_copy(reference_recorded, tmp_path_factory):
     if run.returncode != 0:
         pytest.fail(f"the reference did not pass, so nothing was recorded:\n{run.output[-3000:]}")
     return release.assemble(tmp_path_factory.mktemp("release") / "copy", folder, ("ci",))
+
+
+@pytest.fixture
+def float64_by_default():
+    """float64 as torch's default dtype while one test runs (the handout's formula checks), and back after it."""
+    import torch
+
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float64)
+    yield
+    torch.set_default_dtype(previous)

@@ -16,13 +16,7 @@ import torch
 
 from reference.attention.gated_deltanet import gated_deltanet_recurrent
 
-
-@pytest.fixture(autouse=True)
-def float64_by_default():
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_by_default")
 
 
 def recurrence(q, k, v, g, beta, state):

@@ -11,14 +11,7 @@ import math
 import pytest
 import torch
 
-
-@pytest.fixture(autouse=True)
-def float64_by_default():
-    """Every tensor of these checks is float64, and only within them: the default goes back for the next module."""
-    previous = torch.get_default_dtype()
-    torch.set_default_dtype(torch.float64)
-    yield
-    torch.set_default_dtype(previous)
+pytestmark = pytest.mark.usefixtures("float64_by_default")
 
 
 # ---------------------------------------------------------------------------------------------------------------
