@@ -47,7 +47,7 @@ FAMILY_TITLES = {
     "parallel": "Parallel training",
 }
 # Signatures longer than this are split one parameter per line, so the code blocks fit the page.
-SIGNATURE_WIDTH = 88
+SIGNATURE_WIDTH = 112
 # The longest contract line the handout prints without wrapping, in characters: a docstring line without the
 # indentation it has in the source, or a line of a signature. The template sets each contract at a size that fits it.
 CONTRACT_WIDTH = 112
