@@ -12,6 +12,7 @@ import json
 import os
 import shutil
 import tokenize
+from pathlib import Path
 
 import pytest
 import torch
@@ -85,7 +86,7 @@ def test_measuring_some_problems_keeps_the_gpus_other_ratios(tmp_path, monkeypat
     stored = json.loads(out.read_text())["gpus"][MEASURED_ON]
     measured = {"kernels.gelu": {"cases": {}, "digests": {}}}
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda index: MEASURED_ON)
-    monkeypatch.setattr(speed_ratios, "measure_gpu", lambda reference, problem_ids, calls: measured)
+    monkeypatch.setattr(speed_ratios, "measure_gpu", lambda reference, problem_ids, calls: measured.items())
     monkeypatch.setattr(speed_ratios, "versions", lambda: stored["versions"])
     speed_ratios.measure_into(out, PackageSpec("reference", ROOT / "reference"), ["kernels.gelu"], stored["calls"])
     problems = json.loads(out.read_text())["gpus"][MEASURED_ON]["problems"]
@@ -93,6 +94,42 @@ def test_measuring_some_problems_keeps_the_gpus_other_ratios(tmp_path, monkeypat
     monkeypatch.setattr(speed_ratios, "versions", lambda: {**stored["versions"], "triton": "0.0"})
     speed_ratios.measure_into(out, PackageSpec("reference", ROOT / "reference"), ["kernels.gelu"], stored["calls"])
     assert json.loads(out.read_text())["gpus"][MEASURED_ON]["problems"] == measured
+
+
+def test_passes_combine_case_by_case_at_the_median_ratio(tmp_path):
+    """Three passes of one GPU: each case keeps the pass of its median ratio (its times with it); a problem whose
+    digests differ in one pass is left out; the result goes over the stored file, other problems kept."""
+    stored = json.loads(RATIOS_FILE.read_text())
+    entry = stored["gpus"][MEASURED_ON]
+
+    def a_pass(gelu_ratios: list[float], softmax_digest: str = "") -> dict:
+        problems = json.loads(json.dumps(entry["problems"]))
+        for ratio, case in zip(gelu_ratios, problems["kernels.gelu"]["cases"].values(), strict=True):
+            case.update(reference_ms=ratio, baseline_ms=1.0, reference_over_baseline=ratio)
+        if softmax_digest:
+            problems["kernels.softmax"]["digests"]["reference"] = softmax_digest
+        return {"format": 1, "gpus": {MEASURED_ON: {**entry, "problems": problems}}}
+
+    cases = len(entry["problems"]["kernels.gelu"]["cases"])
+    passes = [a_pass([0.9] * cases), a_pass([0.7] * (cases - 1) + [1.2]), a_pass([0.8] * cases, softmax_digest="0")]
+    combined = speed_ratios.median_of(passes)["gpus"][MEASURED_ON]["problems"]
+    gelu = list(combined["kernels.gelu"]["cases"].values())
+    assert [case["reference_over_baseline"] for case in gelu] == [0.8] * (cases - 1) + [0.9]
+    assert all(case["reference_ms"] == case["reference_over_baseline"] for case in gelu)
+    assert "kernels.softmax" not in combined and combined["kernels.gelu"]["passes"] == 3
+    out = tmp_path / "ratios.json"
+    shutil.copy(RATIOS_FILE, out)
+    assert speed_ratios.main([str(out), "--median-of", *map(str, write_each(tmp_path, passes))]) == 0
+    problems = json.loads(out.read_text())["gpus"][MEASURED_ON]["problems"]
+    assert problems["kernels.softmax"] == entry["problems"]["kernels.softmax"]
+    assert problems["kernels.gelu"] == combined["kernels.gelu"]
+
+
+def write_each(folder: Path, passes: list[dict]) -> list[Path]:
+    paths = [folder / f"pass{number}.json" for number in range(len(passes))]
+    for path, content in zip(paths, passes, strict=True):
+        path.write_text(json.dumps(content))
+    return paths
 
 
 def test_the_moe_layer_oracle_agrees_with_the_reference():

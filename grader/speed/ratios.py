@@ -10,12 +10,17 @@ Every round also checks that what the copy checks a student's timed output again
 spec's oracle) agrees with the reference's output, with the tolerance a student gets.
 
     python -m grader.speed.ratios [OUT.json] [--problems kernels.gelu,...] [--calls 30]
+    python -m grader.speed.ratios OUT.json --median-of PASS1.json PASS2.json PASS3.json
 
 adds this GPU's ratios to OUT.json (by default grader/speed/ratios.json; other GPU models already in it are kept,
 and this GPU's ratios of the problems not named where torch, triton, CUDA and --calls are the same),
 with digests of the reference module and the speed test's functions they were measured with: `python -m grader
 release` leaves out the ratios of a problem where either changed since. Problems graded by step time on several
 GPUs (the parallel family) have no single-GPU baseline: their speed points are given on submission.
+
+An autotuned kernel may choose another configuration in another process, so its ratios are measured in several
+passes, each a process of its own writing a file of its own, and --median-of keeps, case by case, the pass of the
+median ratio. Measuring writes OUT.json after each problem, so a run stopped part-way keeps what it finished.
 """
 
 from __future__ import annotations
@@ -124,10 +129,9 @@ def measure_ratio(spec: SpeedSpec, reference_function, case: tuple, calls: int =
             "reference_over_baseline": medians["reference"] / medians["baseline"]}
 
 
-def measure_gpu(reference: PackageSpec, problem_ids: list[str], calls: int) -> dict[str, dict]:
-    """{problem id: {"digests": module_digests(...), "cases": {case key: measure_ratio(...)}}} on this machine's first
-    GPU."""
-    measured = {}
+def measure_gpu(reference: PackageSpec, problem_ids: list[str], calls: int):
+    """Yields (problem id, {"digests": module_digests(...), "cases": {case key: measure_ratio(...)}}) for each problem,
+    measured on this machine's first GPU."""
     for problem in PROBLEMS:
         spec = speed_spec(problem.id) if problem.id in problem_ids and problem.speed else None
         if spec is None:
@@ -137,8 +141,7 @@ def measure_gpu(reference: PackageSpec, problem_ids: list[str], calls: int) -> d
         for case in problem.speed.cases():
             cases[case_key(case)] = measure_ratio(spec, function, case, calls)
             print(f"{problem.id} {case}: {cases[case_key(case)]}", flush=True)
-        measured[problem.id] = {"digests": module_digests(reference, spec, problem.id), "cases": cases}
-    return measured
+        yield problem.id, {"digests": module_digests(reference, spec, problem.id), "cases": cases}
 
 
 def stale_problems(ratios: dict, reference: PackageSpec) -> dict[str, list[str]]:
@@ -181,10 +184,52 @@ def measure_into(out: Path, reference: PackageSpec, problem_ids: list[str], call
     here = versions()
     alike = earlier.get("versions") == here and earlier.get("calls") == calls
     kept = earlier.get("problems", {}) if alike else {}
-    stored["gpus"][gpu] = {"versions": here, "calls": calls,
-                           "problems": {**kept, **measure_gpu(reference, problem_ids, calls)}}
-    out.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
+    stored["gpus"][gpu] = {"versions": here, "calls": calls, "problems": kept}
+    for problem_id, measured in measure_gpu(reference, problem_ids, calls):
+        kept[problem_id] = measured
+        write(out, stored)
     return gpu
+
+
+def write(out: Path, ratios: dict) -> None:
+    out.write_text(json.dumps(ratios, indent=1, sort_keys=True) + "\n")
+
+
+def median_of(passes: list[dict]) -> dict:
+    """The passes' ratios (each a ratios file's content) as one: for every GPU, problem and case that every pass
+    measured with the same versions, calls and digests, the case as measured in the pass of the median ratio (of an
+    odd number of passes); a problem not measured alike in every pass is left out."""
+    combined = {"format": FORMAT, "gpus": {}}
+    for gpu, first in passes[0]["gpus"].items():
+        entries = [measured["gpus"].get(gpu, {}) for measured in passes]
+        if any((e.get("versions"), e.get("calls")) != (first["versions"], first["calls"]) for e in entries):
+            continue
+        problems = {}
+        for problem_id, problem in first["problems"].items():
+            alike = [e["problems"].get(problem_id) for e in entries]
+            if any(a is None or a["digests"] != problem["digests"] for a in alike):
+                continue
+            cases = {}
+            for case in problem["cases"]:
+                ranked = sorted((a["cases"][case] for a in alike if case in a["cases"]),
+                                key=lambda measured: measured["reference_over_baseline"])
+                if len(ranked) == len(alike):
+                    cases[case] = ranked[len(ranked) // 2]
+            problems[problem_id] = {"digests": problem["digests"], "cases": cases, "passes": len(passes)}
+        combined["gpus"][gpu] = {"versions": first["versions"], "calls": first["calls"], "problems": problems}
+    return combined
+
+
+def merge_into(out: Path, measured: dict) -> None:
+    """`measured`'s problems written over those stored in `out` for the same GPU, versions and calls (other GPUs, and
+    the GPU's other problems, kept)."""
+    stored = json.loads(out.read_text()) if out.exists() else {"format": FORMAT, "gpus": {}}
+    for gpu, entry in measured["gpus"].items():
+        earlier = stored["gpus"].get(gpu, {})
+        alike = (earlier.get("versions"), earlier.get("calls")) == (entry["versions"], entry["calls"])
+        problems = {**(earlier.get("problems", {}) if alike else {}), **entry["problems"]}
+        stored["gpus"][gpu] = {**entry, "problems": problems}
+    write(out, stored)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -193,7 +238,15 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--reference", default="reference")
     parser.add_argument("--problems", default=",".join(p.id for p in PROBLEMS if p.speed))
     parser.add_argument("--calls", type=int, default=CALLS)
+    parser.add_argument("--median-of", type=Path, nargs="+", default=None, metavar="PASS",
+                        help="write into OUT the median, case by case, of these passes' files (measures nothing)")
     args = parser.parse_args(argv)
+    if args.median_of:
+        if len(args.median_of) % 2 == 0:
+            parser.error("--median-of takes an odd number of passes")
+        merge_into(args.out, median_of([json.loads(path.read_text()) for path in args.median_of]))
+        print(f"wrote the median of {len(args.median_of)} passes to {args.out}")
+        return 0
     if not torch.cuda.is_available():
         print("speed ratios are measured on a GPU: none is visible here", file=sys.stderr)
         return 2
