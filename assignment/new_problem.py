@@ -90,7 +90,12 @@ def test_example(student, reference):
     assert_equal(reply["value"], expected, what="{name}(x)", context="x = arange(6).reshape(2, 3)")
 '''
 
-SECTION = "{mark}: what the problem teaches, derived from its definition; a figure; a worked example.\n"
+SECTION = """#import "/self_check.typ": self-check
+
+{mark}: what the problem teaches, derived from its definition; a figure; a worked example.
+
+#self-check([+ {mark}: a question to answer before coding.], [(1) {mark}: its answer.])
+"""
 
 ENTRY = '''    Problem(
         id="{problem_id}",

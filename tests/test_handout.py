@@ -25,6 +25,14 @@ def test_every_problem_has_a_section(problem):
     assert problem.handout_section.is_file(), f"{problem.id} has no handout section at {problem.handout_section}"
 
 
+@pytest.mark.parametrize("problem", PROBLEMS, ids=lambda problem: problem.id)
+def test_every_section_asks_a_self_check(problem):
+    """Each section ends its teaching with ungraded questions (self_check.typ), answered at the chapter's end."""
+    section = problem.handout_section.read_text()
+    assert '#import "/self_check.typ": self-check' in section and "#self-check(" in section, (
+        f"{problem.handout_section} has no self-check: add #self-check([questions], [answers])")
+
+
 @pytest.fixture
 def repo_copy(tmp_path):
     """The files the handout is built from, copied under tmp_path."""
