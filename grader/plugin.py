@@ -148,6 +148,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 def pytest_configure(config: pytest.Config) -> None:
     config.addinivalue_line("markers", "timed_on_gpu: times the student's kernels on a GPU (grader.checks.marks)")
+    config.addinivalue_line("markers", "points_groups: a test function graded as several points groups "
+                                       "(grader.checks.marks.points_groups)")
     refusal = backend.interpreter_refusal()
     if refusal is not None:
         raise pytest.UsageError(refusal)
@@ -298,15 +300,11 @@ def private_copy(impl: PackageSpec, sandbox: isolation.Isolation) -> PackageSpec
     return PackageSpec(impl.name, copy)
 
 
-def group_of(item: pytest.Item) -> str:
-    return getattr(item, "originalname", item.name).removeprefix("test_")
-
-
 def pytest_itemcollected(item: pytest.Item) -> None:
     problem = problem_of(item)
     if problem is None:
         return
-    group = group_of(item)
+    group = marks.group_of(item)
     if group not in problem.points:
         raise pytest.UsageError(f"{item.nodeid}: test group {group!r} has no points in the registry for {problem.id}")
     sizes = item.config.stash[GROUP_SIZES]
@@ -643,7 +641,8 @@ def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
         item.config.stash[PROBLEM_SPAN][problem.id][1] = time.monotonic()
     if problem is None or (report.when != "call" and report.passed) or report.when == "teardown":
         return
-    result = TestResult(item.nodeid, problem, group_of(item), test_share(item.config, problem, group_of(item)),
+    group = marks.group_of(item)
+    result = TestResult(item.nodeid, problem, group, test_share(item.config, problem, group),
                         duration_s=report.duration)
     if report.passed and PARTIAL in item.stash:
         result.fraction, result.message = item.stash[PARTIAL]
@@ -735,7 +734,8 @@ def pytest_runtestloop(session: pytest.Session):
     here. In the students' copy, which grades on the CPU, the speed tests wait for the GPU lane, which runs them after
     the others with the GPUs visible (grader.expectations.students_copy), with the tests marked timed_on_gpu."""
     every_item = list(session.items)
-    speed_items = [item for item in every_item if group_of(item) == "speed" or item.get_closest_marker("timed_on_gpu")
+    speed_items = [item for item in every_item
+                   if marks.group_of(item) == "speed" or item.get_closest_marker("timed_on_gpu")
                    ] if wants_gpu_lane(session) else []
     session.items[:] = [item for item in every_item if item not in speed_items]
     try:
@@ -781,7 +781,7 @@ def run_lanes_and_take_records(session: pytest.Session, nodeids_by_lane: list[li
                                  lambda record: take_lane_record(config, record))
     for log_tail, nodeids in unrecorded.items():
         for item in (item for item in session.items if item.nodeid in nodeids):
-            result = lanes.lost_result(item.nodeid, problem_of(item), group_of(item), log_tail)
+            result = lanes.lost_result(item.nodeid, problem_of(item), marks.group_of(item), log_tail)
             take_lane_record(config, ("result", result, None))
 
 

@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import ast
+import importlib
 import json
 
 import pytest
 
 from assignment.new_problem import LANES_FILE, UNFILLED
 from assignment.registry import PROBLEMS, ROOT, problem_for_test_module
+from grader.checks import marks
 from grader.checks.answers import SheetError, literal_answers
 
 
@@ -40,9 +42,10 @@ def public_signatures(path) -> dict[str, str]:
 
 
 def grader_test_groups(problem) -> set[str]:
-    tree = ast.parse((ROOT / problem.test_module).read_text())
-    return {n.name.removeprefix("test_") for n in tree.body
-            if isinstance(n, ast.FunctionDef) and n.name.startswith("test_")}
+    """The points groups of a problem's test module: each test function's, or the groups it is marked with."""
+    module = importlib.import_module(problem.test_module.removesuffix(".py").replace("/", "."))
+    return {group for name, function in vars(module).items() if name.startswith("test_") and callable(function)
+            for group in marks.groups_of_function(function)}
 
 
 @pytest.mark.parametrize("problem", PROBLEMS, ids=lambda p: p.id)

@@ -5,6 +5,10 @@ the cache as the grader measures it.
 The weights are the grader's: drawn by the pinned parameter names and loaded into both stacks, so every comparison is
 of one model. A cache travels back to the grader as plain tensors, and decoding continues from them in a fresh
 stack built from the same weights: what decoding needs must be in the cache, not in the module.
+
+It has the shape of grader/attention/mla_cases.py (a case, its weights, worker programs, oracle) and no code in
+common with it: the two draw other parameters, cache other tensors (per layer states and keys here, a latent there)
+and search the decoding for other things, so a shared base would hold only the names.
 """
 
 from __future__ import annotations

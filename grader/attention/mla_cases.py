@@ -6,6 +6,9 @@ to the grader as its two plain tensors, and decoding continues from them in a fr
 be in the cache. Decoding runs under a recorder of every tensor an operator returns (inside the worker: evidence
 against honest mistakes), which the grader searches for per-head keys or values of the whole cache, one tensor at a
 time and as the total a step builds over the cache's length.
+
+The hybrid's cases (grader/attention/hybrid_cases.py) have the same shape and, for the reasons written there, no
+code in common with these.
 """
 
 from __future__ import annotations

@@ -23,6 +23,32 @@ def multi_gpu(count: int):
 timed_on_gpu = pytest.mark.timed_on_gpu
 
 
+def points_groups(groups: dict[str, list], argname: str):
+    """One test function graded as several points groups: it is parametrised by `group`, each value a points group
+    of the registry (the score table's rows), and by `argname`, each group's own values (a world size, say). Its
+    node ids read test_<function>[<group>-<value>]; grader.plugin.group_of reads the group from the parameter."""
+    params = [pytest.param(group, value, id=f"{group}-{value}") for group, values in groups.items() for value in values]
+
+    def decorate(function):
+        return pytest.mark.points_groups(*groups)(pytest.mark.parametrize(("group", argname), params)(function))
+
+    return decorate
+
+
+def group_of(item: pytest.Item) -> str:
+    """The points group of a test: its function's name without `test_`, or, for a function marked with
+    points_groups, its `group` parameter."""
+    if item.get_closest_marker("points_groups") is not None:
+        return item.callspec.params["group"]
+    return getattr(item, "originalname", item.name).removeprefix("test_")
+
+
+def groups_of_function(function) -> list[str]:
+    """The points groups a test function is graded as (read from the function, as the registry's checks do)."""
+    marked = [mark for mark in getattr(function, "pytestmark", []) if mark.name == "points_groups"]
+    return list(marked[0].args) if marked else [function.__name__.removeprefix("test_")]
+
+
 class DrawnDtypes(tuple):
     """The dtypes a test module draws on this machine; `gpu_only` holds those it draws only where a GPU is present."""
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 
-from hypothesis import HealthCheck, Phase, settings
+import pytest
+from hypothesis import HealthCheck, Phase, given, settings
 
 from assignment.registry import PROFILES, Problem
 
@@ -78,3 +79,15 @@ def examples(problem: Problem, fraction: float = 1.0, shrink: bool = True) -> se
     """
     phases = settings().phases if shrink else tuple(p for p in settings().phases if p != Phase.shrink)
     return settings(max_examples=max(1, round(problem.budgets[active()] * fraction)), phases=phases)
+
+
+def on_ranks(problem: Problem, world_sizes, **strategies):
+    """A test of ranks: parametrised by `world_size` over `world_sizes`, and searched by hypothesis over
+    `strategies` within the problem's example budget, without shrinking (every example is a launch of ranks, and
+    already small). The same as stacking parametrize, examples(problem, shrink=False) and given: hypothesis reads no
+    decorator into its seeds, so node ids and draws are those of the stack."""
+    def decorate(function):
+        searched = examples(problem, shrink=False)(given(**strategies)(function))
+        return pytest.mark.parametrize("world_size", world_sizes)(searched)
+
+    return decorate

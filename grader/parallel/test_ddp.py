@@ -8,15 +8,13 @@ hold only shapes, so no rank can rebuild another's data or weights without commu
 
 from __future__ import annotations
 
-import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
 from grader.checks.outcomes import WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import on_ranks
 from grader.checks.strategies import data_seeds
 from grader.parallel.models import check_module_kept, shard_mean_loss
 from grader.ranks import recorder
@@ -172,9 +170,7 @@ def check_training(results: list[dict], config: dict, world_size: int) -> None:
                         f"weights after {STEPS} steps", context)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_broadcast_at_construction(ranks, world_size, config):
     config = {**config, "variant": "plain"}
     results = run_training(ranks, world_size, config)
@@ -190,9 +186,7 @@ def test_broadcast_at_construction(ranks, world_size, config):
                 raise WrongAnswer(f"after DDP(module), buffer {index} on rank {rank} differs from rank 0's")
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, world_sizes(PROBLEM), config=configs)
 def test_matches_single_process(ranks, world_size, config):
     config = {**config, "variant": "plain"}
     check_training(run_training(ranks, world_size, config), config, world_size)
@@ -202,9 +196,7 @@ def all_reduces_per_step(result: dict) -> list[list[tuple]]:
     return [[call for call in step if call[0] == "all_reduce"] for step in result["calls"]]
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_frozen_parameter(ranks, world_size, config):
     config = {**config, "variant": "frozen"}
     results = run_training(ranks, world_size, config)
@@ -221,9 +213,7 @@ def test_frozen_parameter(ranks, world_size, config):
                               "one per parameter that requires grad")
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_tied_weights(ranks, world_size, config):
     config = {**config, "variant": "tied"}
     results = run_training(ranks, world_size, config)
@@ -236,9 +226,7 @@ def test_tied_weights(ranks, world_size, config):
                               "parameters: a tied weight is one parameter, reduced once after both uses")
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_overlaps_backward(ranks, world_size, config):
     config = {**config, "variant": "plain"}
     results = run_training(ranks, world_size, config)

@@ -11,14 +11,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import example, given
+from hypothesis import example
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
 from grader.checks.marks import multi_gpu
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import on_ranks
 from grader.checks.strategies import data_seeds
 from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss
 from grader.ranks import recorder
@@ -302,16 +302,12 @@ def check_training(results: list[dict], config: dict, data_ranks: int, group_ind
                         f"weights after {STEPS} steps", context)
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(config=configs())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), config=configs())
 def test_matches_single_process(ranks, world_size, config):
     check_training(run_training(ranks, world_size, config), config, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs())
+@on_ranks(PROBLEM, [2], config=configs())
 @example(config=limit_at_equality())
 @example(config=limit_at_equality_after_a_bucket())
 @example(config=float64_first_and_last())
@@ -342,9 +338,7 @@ def test_bucket_partition(ranks, world_size, config):
         check_training(results, config, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs(last_layer_buckets=True))
+@on_ranks(PROBLEM, [2], config=configs(last_layer_buckets=True))
 def test_overlaps_backward(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
     buckets = expected_buckets(config)
@@ -375,9 +369,7 @@ def test_overlaps_backward(ranks, world_size, config):
                 )
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(config=configs())
+@on_ranks(PROBLEM, [4], config=configs())
 def test_process_group(ranks, world_size, config):
     """Two independent pairs of ranks, {0, 1} and {2, 3}, each with its own weights and data and a BucketedDDP over
     its own group: one that broadcasts or all-reduces over the default group mixes the pairs' weights and gradients,

@@ -13,13 +13,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import on_ranks
 from grader.checks.strategies import data_seeds
 from grader.ranks import recorder
 from grader.ranks.raised import check_value_errors, raised_by
@@ -184,17 +183,13 @@ def configs(draw, world_size: int, tokens=None, widths=None, k=None, skewed: boo
     }
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), data=st.data())
 def test_matches_single_rank(ranks, reference, world_size, data):
     config = data.draw(configs(world_size))
     check_against_single_rank(run_on_ranks(ranks, world_size, config), config, world_size, reference)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [2], data=st.data())
 def test_uneven_and_empty_experts(ranks, reference, world_size, data):
     # Ranks may hold no tokens; only a few experts receive any.
     config = data.draw(configs(world_size, tokens=st.integers(0, 9), skewed=True))
@@ -209,9 +204,7 @@ def minimum_rows_received(config: dict, world_size: int, rank: int) -> int:
     return routed_here + config["tokens"][rank] * config["k"]
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [2], data=st.data())
 def test_uses_all_to_all(ranks, world_size, data):
     # Wide rows and k = 1: token payload dominates the counts, and gathering all tokens costs more than routing.
     config = data.draw(configs(world_size, tokens=st.integers(8, 16), widths=st.integers(32, 48), k=1))
@@ -263,9 +256,7 @@ def test_invalid_arguments(ranks, world_size):
 GROUPS_SETUP = "4 ranks in two groups, {0, 1} and {2, 3}, each calling expert_parallel_moe with its own group"
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [4], data=st.data())
 def test_process_group(ranks, reference, world_size, data):
     """Two independent pairs of ranks, {0, 1} and {2, 3}, each a layer over its own group with its own tokens and
     experts: a layer that routes over the default group sends tokens to the other pair's experts, or to ranks that do

@@ -14,14 +14,13 @@ import math
 
 import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
 from grader.checks.marks import multi_gpu
 from grader.checks.outcomes import WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import on_ranks
 from grader.checks.strategies import data_seeds
 from grader.parallel.models import shard_mean_loss
 from grader.ranks import recorder
@@ -309,9 +308,7 @@ configs = st.fixed_dictionaries({
 })
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, world_sizes(PROBLEM), config=configs)
 def test_matches_single_process(ranks, world_size, config):
     config = {**config, "variant": "plain"}
     results = run_training(ranks, world_size, config)
@@ -319,9 +316,7 @@ def test_matches_single_process(ranks, world_size, config):
     check_training(results, config, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_frozen_parameter(ranks, world_size, config):
     config = {**config, "variant": "frozen"}
     results = run_training(ranks, world_size, config)
@@ -336,9 +331,7 @@ def test_frozen_parameter(ranks, world_size, config):
                                   f"changed during training; it must stay as it was ({config})")
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_full_state_dict(ranks, world_size, config):
     config = {**config, "variant": "plain"}
     results = run_training(ranks, world_size, config)
@@ -357,9 +350,7 @@ def test_full_state_dict(ranks, world_size, config):
                          multiple=PROBLEM.error_multiple, floor_ulps=PROBLEM.floor_ulps, scale=scale)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_tied_weights_rejected(ranks, world_size, config):
     config = {**config, "widths": [config["widths"][0], 5, 5, 5], "variant": "tied"}
     for rank, raised in enumerate(ranks.run(construct_on_rank, world_size, config)):
@@ -401,19 +392,15 @@ def check_collectives(results: list[dict], config: dict, world_size: int) -> Non
                 )
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_collective_pattern(ranks, world_size, config):
     config = {**config, "variant": "frozen"}
     check_collectives(run_training(ranks, world_size, config), config, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
 # Widths of 256 and more: on a GPU the caching allocator rounds every tensor up to 512 bytes, which must stay small
 # against the one unit of slack allowed below.
-@given(seed=data_seeds(), width=st.integers(256, 264), optimizer=st.sampled_from(["sgd", "adamw"]))
+@on_ranks(PROBLEM, [2], seed=data_seeds(), width=st.integers(256, 264), optimizer=st.sampled_from(["sgd", "adamw"]))
 def test_peak_parameter_memory(ranks, world_size, seed, width, optimizer):
     config = {"seed": seed, "widths": [width] * (MEMORY_UNITS + 1), "rows_per_rank": 1, "optimizer": optimizer,
               "variant": "plain", "measure_memory": True}
@@ -445,9 +432,7 @@ def test_peak_parameter_memory(ranks, world_size, seed, width, optimizer):
                 )
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_compute_dtype_bf16(ranks, world_size, config):
     config = {**config, "variant": "plain", "compute_dtype": "bfloat16"}
     results = run_training(ranks, world_size, config)
@@ -457,9 +442,7 @@ def test_compute_dtype_bf16(ranks, world_size, config):
                    multiple=PROBLEM.bf16_error_multiple)
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [4], config=configs)
 def test_process_group(ranks, world_size, config):
     """Two independent pairs of ranks, {0, 1} and {2, 3}, each with its own weights, data and FSDP over its own
     group: an FSDP that shards, gathers or reduce-scatters over the default group mixes the pairs' parameters and

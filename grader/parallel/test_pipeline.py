@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_raises
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut, WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import examples, on_ranks
 from grader.checks.strategies import data_seeds
 from grader.parallel.bubble import BACKWARD_S, FORWARD_S, ideal_bubble, measured_bubbles, serial_bubble
 from grader.ranks.raised import not_raising, raised_by
@@ -283,9 +283,7 @@ def test_bubble_fraction(student, stages, micro_batches):
         assert_raises(student.raises("bubble_fraction", *bad), "ValueError", f"bubble_fraction{bad}")
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), data=st.data())
 def test_gpipe_matches_single_process(ranks, reference, world_size, data):
     # The first (and under `ci` the only) draw is one micro-batch, the smallest the contract allows: a pipeline
     # that refuses it, or needs two, fails here; the order tests cover longer schedules.
@@ -293,17 +291,13 @@ def test_gpipe_matches_single_process(ranks, reference, world_size, data):
     check_training(run_stages(ranks, world_size, config), config, world_size, reference)
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), data=st.data())
 def test_one_f_one_b_matches_single_process(ranks, reference, world_size, data):
     config = data.draw(configs(world_size, "1f1b"))
     check_training(run_stages(ranks, world_size, config), config, world_size, reference)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [2], data=st.data())
 def test_gpipe_order(ranks, world_size, data):
     config = data.draw(configs(world_size, "gpipe", micro_batches=st.integers(2, 6)))
     check_orders(run_stages(ranks, world_size, config), config, world_size)
@@ -313,9 +307,7 @@ GROUPS_SETUP = ("4 ranks in two groups, {0, 1} and {2, 3}, each a 2-stage pipeli
                 "own group (its stage 1 is global rank 1 in the first group, 3 in the second)")
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [4], data=st.data())
 def test_one_f_one_b_order(ranks, world_size, data):
     # m >= p: every stage goes through warm-up, steady state and cool-down.
     config = data.draw(configs(world_size, "1f1b", micro_batches=st.integers(world_size, 2 * world_size + 1)))
@@ -369,9 +361,7 @@ def test_invalid_arguments(ranks, world_size):
                               f"before sending anything; {got}")
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [4], data=st.data())
 def test_process_group(ranks, reference, world_size, data):
     """Two independent 2-stage pipelines, on ranks {0, 1} and {2, 3}, each over its own group with its own weights
     and batch, trained with GPipe and then with 1F1B: a stage that sends to, or receives from, a rank outside its

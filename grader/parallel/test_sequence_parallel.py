@@ -21,13 +21,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_equal
 from grader.checks.outcomes import WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import on_ranks
 from grader.checks.strategies import data_seeds
 from grader.ranks import recorder
 from grader.ranks.raised import not_raising, raised_by
@@ -176,9 +175,7 @@ def check_collectives(case: dict, results: list[dict], group_index: int | None =
                                       f"{describe_calls(calls[name][phase])} ({context})")
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), data=st.data())
 def test_gather_and_reduce_scatter(ranks, world_size, data):
     case = data.draw(collective_cases(world_size))
     check_collectives(case, ranks.run(run_collectives, world_size, rank_data=collective_inputs(case, world_size)))
@@ -362,25 +359,19 @@ def block_cases(world_size: int, dropout: st.SearchStrategy[float], steps: int) 
     })
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), data=st.data())
 def test_block_matches_single_rank(ranks, reference, world_size, data):
     case = data.draw(block_cases(world_size, st.just(0.0), steps=2))
     check_block(reference, case, run_blocks(ranks, world_size, case))
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [2], data=st.data())
 def test_dropout_matches_single_rank(ranks, reference, world_size, data):
     case = data.draw(block_cases(world_size, st.sampled_from([0.5, 0.25, 0.1]), steps=2))
     check_block(reference, case, run_blocks(ranks, world_size, case))
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [2], data=st.data())
 def test_collective_pattern(ranks, world_size, data):
     case = data.draw(block_cases(world_size, st.just(0.0), steps=1))
     local = case["batch"] * case["tokens_per_rank"] * case["width"] * 4
@@ -448,9 +439,7 @@ def run_in_group(student, rank: int, world_size: int, case: dict, rank_data: dic
             "block": block_steps(student, case, rank_data["block"], group)}
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [4], data=st.data())
 def test_process_group(ranks, reference, world_size, data):
     """Two independent groups of two ranks, {0, 1} and {2, 3}, each with its own weights and data, run both
     collectives and the block with dropout over their own group: a collective over the default group mixes the two

@@ -22,13 +22,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, assert_equal
 from grader.checks.outcomes import WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import on_ranks
 from grader.checks.strategies import data_seeds
 from grader.ranks import recorder
 from grader.ranks.raised import check_value_errors, raised_by
@@ -301,30 +300,22 @@ def check_layer(ranks, reference, kind: str, world_size: int, case: dict) -> Non
         check_values(reference, case, result[0], rank)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [2], data=st.data())
 def test_column_parallel_linear(ranks, reference, world_size, data):
     check_layer(ranks, reference, "column", world_size, data.draw(cases_strategy("column", world_size, 1)))
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [2], data=st.data())
 def test_row_parallel_linear(ranks, reference, world_size, data):
     check_layer(ranks, reference, "row", world_size, data.draw(cases_strategy("row", world_size, 1)))
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), data=st.data())
 def test_mlp_matches_single_rank(ranks, reference, world_size, data):
     check_layer(ranks, reference, "mlp", world_size, data.draw(cases_strategy("mlp", world_size, 2)))
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), data=st.data())
 def test_attention_matches_single_rank(ranks, reference, world_size, data):
     check_layer(ranks, reference, "attention", world_size, data.draw(cases_strategy("attention", world_size, 2)))
 
@@ -338,9 +329,7 @@ def expected_calls(case: dict) -> list[tuple[str, int, str]]:
     return {"column": backward, "row": forward}.get(case["kind"], forward + backward)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [2], data=st.data())
 def test_collective_pattern(ranks, world_size, data):
     cases = [data.draw(cases_strategy(kind, world_size, 1)) for kind in KINDS]
     results = run_cases(ranks, world_size, cases)
@@ -436,9 +425,7 @@ def check_regions(case: dict, results: list[dict], group_index: int) -> None:
             assert_equal(got, expected, what=what, context=context)
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(data=st.data())
+@on_ranks(PROBLEM, [4], data=st.data())
 def test_process_group(ranks, reference, world_size, data):
     """Two independent groups of two ranks, {0, 1} and {2, 3}, each with its own weights and data, run f, g and every
     layer over their own group: a collective over the default group mixes the two groups' numbers."""

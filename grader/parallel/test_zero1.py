@@ -9,16 +9,15 @@ the pinned partition of parameters over ranks.
 
 from __future__ import annotations
 
-import pytest
 import torch
 import torch.distributed as dist
-from hypothesis import example, given
+from hypothesis import example
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
 from grader.checks.outcomes import WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import on_ranks
 from grader.checks.strategies import data_seeds
 from grader.parallel.models import TiedMLP, shard_mean_loss, tied_mlp_from_state
 from grader.ranks import recorder
@@ -220,16 +219,12 @@ def run_training(ranks, world_size: int, config: dict) -> list[dict]:
                      rank_data=inputs_by_group(config, world_size, group_size, rank_inputs))
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(config=configs())
+@on_ranks(PROBLEM, world_sizes(PROBLEM), config=configs())
 def test_matches_unsharded(ranks, world_size, config):
     check_weights(run_training(ranks, world_size, config), config, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs(("adamw", "sgd_momentum")))
+@on_ranks(PROBLEM, [2], config=configs(("adamw", "sgd_momentum")))
 @example(config={"optimizer": "adamw", "seed": 3, "width": 5, "hidden": 4, "outputs": 2, "rows_per_rank": 2,
                  "last_weight_only": True, "float64": True})  # ranks that own nothing (the placeholder's rule)
 def test_state_sharded(ranks, world_size, config):
@@ -276,9 +271,7 @@ def check_state_kept(result: dict, state_tensors: list[list[int]], owners: list,
                           f"state (or copies) for parameters it does not own")
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(config=configs(("adamw",)))
+@on_ranks(PROBLEM, [4], config=configs(("adamw",)))
 def test_process_group(ranks, world_size, config):
     """Two independent pairs of ranks, {0, 1} and {2, 3}, each with its own weights, data and ShardedOptimizer over
     its own group: an optimizer that broadcasts over the default group mixes the pairs' weights."""

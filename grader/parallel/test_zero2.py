@@ -11,15 +11,13 @@ from __future__ import annotations
 
 import gc
 
-import pytest
 import torch
-from hypothesis import given
 from hypothesis import strategies as st
 
 from assignment.registry import BY_ID
 from grader.checks.compare import assert_close, largest_magnitude
 from grader.checks.outcomes import WrongAnswer
-from grader.checks.profiles import examples
+from grader.checks.profiles import on_ranks
 from grader.checks.strategies import data_seeds
 from grader.parallel.models import TiedMLP, check_module_kept, shard_mean_loss, tied_mlp_from_state
 from grader.ranks import recorder
@@ -186,16 +184,12 @@ def check_training(results: list[dict], config: dict, ranks: int, group: int | N
                              context=context, scale=largest_magnitude(exact["weights"][step]), **tolerance)
 
 
-@pytest.mark.parametrize("world_size", world_sizes(PROBLEM))
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, world_sizes(PROBLEM), config=configs)
 def test_matches_single_process(ranks, world_size, config):
     check_training(run_training(ranks, world_size, config), config, world_size)
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_gradients_sharded(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
     owners = pinned_owners(config, world_size)
@@ -233,9 +227,7 @@ def check_gradients_kept(result: dict, sizes: list[int], owners: list, rank: int
                               f"(a communication handle kept after its wait keeps its tensor alive too)")
 
 
-@pytest.mark.parametrize("world_size", [2])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [2], config=configs)
 def test_collective_pattern(ranks, world_size, config):
     results = run_training(ranks, world_size, config)
     owners = pinned_owners(config, world_size)
@@ -265,9 +257,7 @@ def test_collective_pattern(ranks, world_size, config):
                                   "rest of it; leave each in flight and wait in finish_gradient_synchronization()")
 
 
-@pytest.mark.parametrize("world_size", [4])
-@examples(PROBLEM, shrink=False)
-@given(config=configs)
+@on_ranks(PROBLEM, [4], config=configs)
 def test_process_group(ranks, world_size, config):
     """Two independent pairs of ranks, {0, 1} and {2, 3}, each with its own weights, data and ZeRO2 over its own
     group: a ZeRO2 that broadcasts or reduces over the default group mixes the pairs' weights and gradients, and one
