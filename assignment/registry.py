@@ -385,8 +385,9 @@ PROBLEMS: tuple[Problem, ...] = (
         hours=6,
         builds_on=("kernels.flash_attention_triton",),
         learns=(
-            "DeepSeek-V3.2's sparse attention: a cheap indexer scores every past token, each query keeps its top-k, "
-            "and a Triton kernel gathers the selected key rows so that attention costs seq times k, not seq squared"
+            "the sparse attention of DeepSeek-V3.2: a cheap indexer scores every past token, each query keeps its "
+            "top-k, and a Triton kernel gathers the selected key rows so that attention costs seq times k, not seq "
+            "squared"
         ),
         points={
             "indexer": 3,
@@ -435,7 +436,7 @@ PROBLEMS: tuple[Problem, ...] = (
         title="Multi-token prediction",
         hours=3,
         learns=(
-            "DeepSeek-V3's chain of prediction modules: which token each depth reads and predicts, the shared "
+            "the chain of prediction modules of DeepSeek-V3: which token each depth reads and predicts, the shared "
             "embedding and head, and a loss that keeps every prediction causal"
         ),
         points={
@@ -841,7 +842,7 @@ PROBLEMS: tuple[Problem, ...] = (
         },
         evidence={
             "broadcast_at_construction": (
-                "outside: weights after DDP(model) equal rank 0's, which only rank 0 received; in-process: the "
+                "outside: weights after DDP(model) equal those of rank 0, which only rank 0 received; in-process: the "
                 "wrapper's .module is the model given"
             ),
             "matches_single_process": "outside: gradients and weights equal the grader's full-batch training",
@@ -910,7 +911,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "process_group": 2,
         },
         evidence={
-            "matches_single_process": "outside: owners' gradients need every rank's rows, weights need rank 0's",
+            "matches_single_process": "outside: owners' gradients need every rank's rows, weights need those of rank 0",
             "gradients_sharded": (
                 "in-process: which gradients the rank reports as None, and the bytes backward and the reduces leave "
                 "alive (memory probe); the wrapper's .module is the model given"

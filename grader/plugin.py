@@ -147,9 +147,8 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_configure(config: pytest.Config) -> None:
-    config.addinivalue_line("markers", "timed_on_gpu: times the student's kernels on a GPU (grader.checks.marks)")
-    config.addinivalue_line("markers", "points_groups: a test function graded as several points groups "
-                                       "(grader.checks.marks.points_groups)")
+    for name, meaning in marks.MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {meaning}")
     refusal = backend.interpreter_refusal()
     if refusal is not None:
         raise pytest.UsageError(refusal)

@@ -9,13 +9,16 @@ reference's single-process `expert_parallel_moe_torch`, and the gate's gradient 
 <dL/dy_t, z_tj>. The worked example's printed numbers are hard-coded as the section prints them.
 """
 
-import threading
+from pathlib import Path
 
 import pytest
 import torch
 
 import reference.parallel.expert_parallel as ep
 from reference.parallel.expert_parallel import _expert, expert_parallel_moe_torch
+from tests.thread_ranks import ThreadRanks
+
+SECTION = Path(__file__).resolve().parents[1] / "assignment/handout/sections/parallel/expert_parallel.typ"
 
 pytestmark = pytest.mark.usefixtures("float64_by_default")
 
@@ -24,24 +27,17 @@ ROUTING = [[[3, 0], [1, 3], [0, 2]], [[2, 0], [1, 2], [3, 2]]]
 EXPERTS = 4
 
 
-class AllToAll:
-    """dist.all_to_all_single for ranks run as threads of one process, recording every call's splits and rows."""
+class AllToAll(ThreadRanks):
+    """dist.all_to_all_single for ranks run as threads of one process, recording every call's splits and rows (a
+    collective with uneven splits, which `tests.thread_ranks.Collectives` does not have)."""
 
     def __init__(self, world):
-        self.world = world
-        self.local = threading.local()
-        self.barrier = threading.Barrier(world, timeout=20)
+        super().__init__(world)
         self.posted = [None] * world
         self.calls = [[] for _ in range(world)]
 
-    def get_rank(self, group=None):
-        return self.local.rank
-
-    def get_world_size(self, group=None):
-        return self.world
-
     def all_to_all_single(self, output, input, output_split_sizes=None, input_split_sizes=None, group=None):
-        rank, n = self.local.rank, self.world
+        rank, n = self.local.rank, self.world_size
         splits_in = input_split_sizes or [input.shape[0] // n] * n
         splits_out = output_split_sizes or [output.shape[0] // n] * n
         self.posted[rank] = input.clone().split(splits_in)
@@ -59,27 +55,16 @@ def run_layer(monkeypatch, xs, indices, gates, w_in, w_out, experts):
     per = experts // n
     leaves = [[t.clone().requires_grad_() for t in (xs[r], gates[r], w_in[r * per:(r + 1) * per],
                                                        w_out[r * per:(r + 1) * per])] for r in range(n)]
-    outputs, errors = [None] * n, []
     torch.manual_seed(1)
     grad_ys = [torch.randn_like(x) for x in xs]
 
     def run(r):
-        fake.local.rank = r
-        try:
-            x, g, wi, wo = leaves[r]
-            y = ep.expert_parallel_moe(x, indices[r], g, wi, wo, experts)
-            y.backward(grad_ys[r])
-            outputs[r] = y.detach()
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
+        x, g, wi, wo = leaves[r]
+        y = ep.expert_parallel_moe(x, indices[r], g, wi, wo, experts)
+        y.backward(grad_ys[r])
+        return y.detach()
 
-    threads = [threading.Thread(target=run, args=(r,)) for r in range(n)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors, errors
-    return fake, leaves, outputs, grad_ys
+    return fake, leaves, fake.run(run), grad_ys
 
 
 def counts(routing, experts):
@@ -112,7 +97,8 @@ def test_worked_example_numbers():
     assert received == [[[2, 1], [1, 1]], [[1, 2], [3, 1]]]
     assert [row for row in s] == [[3, 3], [2, 4]]  # send splits: rows of S
     assert receive_splits == [[3, 2], [3, 4]]  # receive splits: columns of S
-    assert [sum(x) for x in receive_splits] == [5, 7] and sum(map(sum, receive_splits)) == 12 == 2 * 3 * 2
+    assert [sum(x) for x in receive_splits] == [5, 7]
+    assert sum(map(sum, receive_splits)) == sum(len(token) for routes in ROUTING for token in routes)
     expert_of = [e for token in ROUTING[0] for e in token]
     perm = sorted(range(6), key=lambda a: expert_of[a])
     assert perm == [1, 4, 2, 5, 0, 3]
@@ -121,6 +107,13 @@ def test_worked_example_numbers():
     assert local == [0, 1, 1, 0, 0, 0, 1]
     assert sorted(range(7), key=lambda i: local[i]) == [0, 3, 4, 5, 1, 2, 6]
     assert rows_per_expert[1] == [4, 3]
+    text = " ".join(SECTION.read_text().split())
+    for printed in ("S = mat(3, 3; 2, 4), quad R_0 = mat(2, 1; 1, 1), quad R_1 = mat(1, 2; 3, 1)",
+                    "Rank 0 sends splits $(3, 3)$ and receives $(3, 2)$, 5 rows; rank 1 sends $(2, 4)$ and receives "
+                    "$(3, 4)$, 7 rows; 12 $= N T k$", "$\"perm\" = (1, 4, 2, 5, 0, 3)$ and the tokens are $(0, 2, 1, 2, 0, 1)$",
+                    "the local experts $(0, 1, 1, 0, 0, 0, 1)$, grouped by $(0, 3, 4, 5, 1, 2, 6)$",
+                    "$n_1 (0) = 4$ rows and $e_3$ on $n_1 (1) = 3$"):
+        assert printed in text, printed
 
 
 def test_reference_exchanges_what_the_section_derives(monkeypatch):
@@ -173,14 +166,27 @@ def test_layer_and_gradients_match_one_process(monkeypatch, n, experts, tokens):
     assert torch.allclose((dy[:, None, :] * z).sum(-1), g.grad, atol=1e-12)
 
 
-def test_self_check_traffic_and_splits():
-    n, experts, k, tokens, d = 8, 64, 2, 4096, 4096
-    rows = tokens * k
-    to_others = rows * (n - 1) // n
-    assert (rows, to_others) == (8192, 7168)
-    assert to_others * d * 2 == 58_720_256 == 56 * 2**20
-    assert experts * 8 == 512 and experts * 8 * (n - 1) // n == 448
+def test_self_check_traffic_and_splits(monkeypatch):
+    """N = 8, E = 64, k = 2, T = 4096 tokens of D = 4096 bf16 values, routing uniform: measured on the reference with
+    T = 32 tokens per rank, whose 64 assignments go to the 64 experts once each, then scaled by 4096 / 32."""
+    n, experts, k, tokens, d = 8, 64, 2, 32, 1
+    scale = 4096 // tokens
+    generator = torch.Generator().manual_seed(0)
+    indices = [torch.randperm(experts, generator=generator).view(tokens, k) for _ in range(n)]
+    xs, gates = [torch.randn(tokens, d) for _ in range(n)], [torch.rand(tokens, k) for _ in range(n)]
+    fake, _, _, _ = run_layer(monkeypatch, xs, indices, gates, torch.randn(experts, d, 1), torch.randn(experts, 1, d),
+                              experts)
+    rows = [sum(dispatch_in) for (_, _, _), (_, dispatch_in, _), *_ in fake.calls]
+    to_others = [sum(dispatch_in) - dispatch_in[q] for q, (_, (_, dispatch_in, _), *_) in enumerate(fake.calls)]
+    assert {r * scale for r in rows} == {8192} and {r * scale for r in to_others} == {7168}
+    assert to_others[0] * scale * 4096 * torch.bfloat16.itemsize == 58_720_256
+    counts = {(call[0][2].numel() * call[0][2].element_size()) for call in fake.calls}
+    assert counts == {512}
     # All of a rank's tokens on its own experts: T k rows to itself, none elsewhere.
     routing = [[[0, 1], [1, 0], [0, 1]], [[2, 3], [0, 3], [1, 2]]]
     _, s, *_ = section_formulas(routing, 4)
     assert s[0] == [3 * 2, 0]
+    text = " ".join(SECTION.read_text().split())
+    for printed in ("(1) 7168 of the $T k = 8192$ rows: $7168 dot 4096 dot 2 = 58 thin 720 thin 256$ bytes (56~MiB)",
+                    "64 int64, 512 bytes", "(2) $T k$ to itself, 0 elsewhere"):
+        assert printed in text, printed

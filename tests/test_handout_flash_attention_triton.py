@@ -9,13 +9,27 @@ recomputed from the same loops.
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from reference.kernels.flash_attention_torch import flash_attention_torch
 
 F64 = torch.float64
+SECTION = Path(__file__).resolve().parents[1] / "assignment/handout/sections/kernels/flash_attention_triton.typ"
+
+
+def flops(function, *args):
+    """torch's own count of the FLOPs `function` does (2 per multiply-add of its matrix products), and its result."""
+    with FlopCounterMode(display=False) as counter:
+        result = function(*args)
+    return counter.get_total_flops(), result
+
+
+def nbytes(*shape, dtype=torch.bfloat16):
+    return torch.empty(shape, dtype=dtype, device="meta").nbytes
 
 
 def blocks(n, size):
@@ -203,17 +217,20 @@ def test_traffic_counts_of_the_section():
     _, _, _, (_, _, dq) = tiled_backward(q, k, v, o, L, dO, False, major, minor)
     assert dq.read == 2 * n * d + 2 * n + r * 2 * n * d  # Q, dO, L, D once; K, V once per query block
     assert dq.written == n * d
-    # FLOPs: forward 2 products (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ), each 2 n^2 d.
-    assert (2 + 4 + 3) * 2 == 4 + 14
+    # FLOPs, counted by torch: forward 2 products (S, PV), dK/dV 4 (S, dV, dP, dK), dQ 3 (S, dP, dQ), each 2 n^2 d.
+    assert flops(tiled_forward, q, k, v, False, major, minor)[0] == 4 * n * n * d
+    assert flops(tiled_backward, q, k, v, o, L, dO, False, minor, major)[0] == (8 + 6) * n * n * d
 
 
 def test_self_check_answers():
     # Self-check 1: one dK/dV program, BLOCK_M = BLOCK_N = 64, d = 128, bf16 inputs, float32 accumulators.
-    kib = 1024
-    assert 64 * 128 * 2 / kib == 16  # K_j, V_j, Q_i, dO_i: 16 KiB each in bf16
-    assert 2 * 64 * 128 * 4 / kib == 64  # dK and dV in float32
-    assert 2 * 64 * 128 * 4 / 4 / 128 == 128  # 32-bit registers per thread for them at 4 warps
-    assert 64 * 64 * 4 / kib == 16  # one 64 x 64 float32 tile of S, P, dP or dS
+    kib, f32 = 1024, torch.float32
+    assert nbytes(64, 128) / kib == 16  # K_j, V_j, Q_i, dO_i: 16 KiB each in bf16
+    accumulators = 2 * nbytes(64, 128, dtype=f32)  # dK and dV in float32
+    assert accumulators / kib == 64
+    registers = accumulators // torch.empty(0, dtype=torch.int32).element_size()
+    assert registers == 16384 and registers / (4 * 32) == 128  # per thread at 4 warps of 32
+    assert nbytes(64, 64, dtype=f32) / kib == 16  # one 64 x 64 float32 tile of S, P, dP or dS
     # Self-check 2: causal dK/dV program of key block j, 128 keys resident, query blocks of 64 streamed, n = 1000.
     n, major, minor = 1000, 128, 64
     for j, (j0, j1) in enumerate(blocks(n, major)):
@@ -226,13 +243,25 @@ def test_self_check_answers():
 
 
 def test_intensity_numbers_of_the_section():
-    n, d, b, block = 4096, 128, 2, 128
-    streamed_forward = 2 * n * n * d * b / block
-    assert 4 * n * n * d / streamed_forward == 2 * block / b == 128
-    assert 700e12 / 4.2e12 == pytest.approx(170, rel=0.02)
-    assert 4 * n * d * b == 4 * 2**20  # one read of Q, K, V and one write of O: 4 MiB
-    assert 4 * n * n * d / 1e9 == pytest.approx(8.6, abs=0.05)  # GFLOP
-    assert 4 * n * n * b == 128 * 2**20  # the n x n scores and probabilities, written and read: 128 MiB
-    # Backward: dK/dV does 8 n^2 d FLOPs over 2 n^2 d b / B_N streamed bytes, dQ 6 n^2 d over 2 n^2 d b / B_M.
-    assert 8 * n * n * d / (2 * n * n * d * b / block) == 4 * block / b
-    assert 6 * n * n * d / (2 * n * n * d * b / block) == 3 * block / b
+    """FLOPs counted by torch, elements streamed counted on the tiled forward: 2 B_M / b FLOPs per streamed byte
+    whatever n (measured at n = 512), 128 for B_M = 128 in bf16; at n = 4096, d = 128: 4 MiB of Q, K, V and O against
+    8.6 GFLOP, and 128 MiB for the n x n scores and probabilities written out, each written and read once."""
+    n, d, block, b = 512, 8, 128, torch.bfloat16.itemsize
+    gen = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(n, d, dtype=F64, generator=gen) for _ in range(3))
+    traffic = Traffic()
+    forward_flops, _ = flops(tiled_forward, q, k, v, False, block, block, traffic)
+    streamed = traffic.read - n * d  # all but the one read of Q
+    assert forward_flops / (streamed * b) == 128
+    n, d = 4096, 128
+    meta = [torch.empty(n, d, dtype=torch.bfloat16, device="meta") for _ in range(3)]
+    assert flops(lambda q, k, v: (q @ k.T) @ v, *meta)[0] / 1e9 == pytest.approx(8.6, abs=0.05)
+    assert 4 * nbytes(n, d) == 4 * 2**20  # Q, K, V read once, O written once
+    assert 2 * 2 * nbytes(n, n) == 128 * 2**20  # S and P, each written and read
+    text = " ".join(SECTION.read_text().split())
+    for printed in ("[forward], [$n d b (1 + 2 T_M)$], [$n d b + 4 n$], [$4 n^2 d$]", "[$8 n^2 d$]", "[$6 n^2 d$]",
+                    "$2 B_M \\/ b$ FLOPs per byte, whatever $n$: 128 for $B_M = 128$ in bfloat16",
+                    "$4 n d b$ bytes: at $n = 4096$, $d = 128$, 4 MiB against 8.6 GFLOP", "(128 MiB at $n = 4096$)",
+                    "$K_j$ and $V_j$ take 16 KiB each; $d K$ and $d V$ in float32 take 64 KiB, 16~384 32-bit",
+                    "which is 128 per thread at 4 warps", "float32 tiles $S$, $P$, $d P$, $d S$ (16 KiB each)"):
+        assert printed in text, printed

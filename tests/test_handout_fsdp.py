@@ -11,70 +11,14 @@ the worked example's printed numbers are recomputed both ways. The self-check's 
 
 import copy
 import math
-import threading
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from reference.parallel.accounting import bytes_per_parameter, communication_volume
 from reference.parallel.fsdp import FSDP
-
-
-class ThreadRanks:
-    """W ranks as threads of one process; the collectives the references issue are done in memory, in order."""
-
-    def __init__(self, world_size, monkeypatch):
-        self.world_size, self.local, self.posted, self.calls = world_size, threading.local(), [None] * world_size, []
-        self.barrier = threading.Barrier(world_size, timeout=30)
-        for name in ("get_rank", "get_world_size", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-            monkeypatch.setattr(dist, name, getattr(self, name))
-
-    def get_rank(self, group=None):
-        return self.local.rank
-
-    def get_world_size(self, group=None):
-        return self.world_size
-
-    def _exchange(self, name, tensor):
-        """Every rank posts its tensor; every rank gets all of them, in rank order."""
-        if self.local.rank == 0:
-            self.calls.append((name, tensor.numel()))
-        self.posted[self.local.rank] = tensor.detach().clone()
-        self.barrier.wait()
-        posted = list(self.posted)
-        self.barrier.wait()
-        return posted
-
-    def all_reduce(self, tensor, op=None, group=None):
-        tensor.copy_(sum(self._exchange("all_reduce", tensor)))
-
-    def all_gather_into_tensor(self, out, tensor, group=None):
-        out.copy_(torch.cat(self._exchange("all_gather", tensor)))
-
-    def reduce_scatter_tensor(self, out, tensor, op=None, group=None):
-        out.copy_(sum(self._exchange("reduce_scatter", tensor)).chunk(self.world_size)[self.local.rank])
-
-    def run(self, program):
-        """program(rank) on every rank at once; the ranks' results, in rank order."""
-        results, errors = [None] * self.world_size, []
-
-        def body(rank):
-            self.local.rank = rank
-            try:
-                results[rank] = program(rank)
-            except Exception as error:  # noqa: BLE001 - re-raised below, after every thread has stopped
-                errors.append(error)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=body, args=(rank,)) for rank in range(self.world_size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return results
+from tests.thread_ranks import Collectives, bytes_sent_per_rank
 
 
 def example_unit():
@@ -109,7 +53,7 @@ def flat_gradient(module, theta, x, loss):
 def run_reference(monkeypatch, world_size, make_model, rows_of, loss_of):
     """The reference FSDP on simulated ranks: (shards before the step, shard grads, the step's collectives, whether
     every unit's gathered storage was empty after forward and after backward)."""
-    ranks = ThreadRanks(world_size, monkeypatch)
+    ranks = Collectives(world_size, monkeypatch)
 
     def program(rank):
         model = FSDP(make_model())
@@ -209,14 +153,47 @@ def test_reduce_scatter_of_the_flat_gradients_is_the_full_batch_gradient(monkeyp
     assert all(freed)
 
 
-def test_self_check_memory_and_traffic():
-    """12 units of 25e6 parameters, W = 8, AdamW, bf16 compute (b_c = 2)."""
-    units, per_unit, world_size, b_c = 12, 25 * 10**6, 8, 2
+SECTION = Path(__file__).resolve().parents[1] / "assignment/handout/sections/parallel/fsdp.typ"
+
+
+def test_self_check_memory_and_traffic(monkeypatch):
+    """12 units of 25e6 parameters, W = 8, AdamW, bf16 compute. Measured on the reference FSDP with 12 units of 64
+    parameters (a multiple of W, as 25e6 is), then scaled: every count is linear in a unit's size. The bytes a
+    collective sends are measured on the reference's ring collectives."""
+    units, per_unit, world_size, small = 12, 25 * 10**6, 8, 64
+    scale = per_unit // small
+    ranks = Collectives(world_size, monkeypatch)
+
+    def program(rank):
+        torch.manual_seed(0)
+        model = FSDP(torch.nn.Sequential(*(torch.nn.Linear(8, 8, bias=False) for _ in range(units))),
+                     compute_dtype=torch.bfloat16)
+        gathered = []
+        for unit, child in zip(model.units, model.module):
+            child.register_forward_pre_hook(
+                lambda module, args, unit=unit: gathered.append(unit.gathered.untyped_storage().nbytes()))
+        optimizer = torch.optim.AdamW(model.parameters())
+        model(torch.randn(2, 8)).float().sum().backward()
+        optimizer.step()
+        state = [t for s in optimizer.state.values() for t in s.values() if torch.is_tensor(t) and t.dim() > 0]
+        persistent = sum(t.untyped_storage().nbytes() for p in model.parameters() for t in (p, p.grad))
+        return persistent + sum(t.untyped_storage().nbytes() for t in state), max(gathered)
+
+    (persistent, gathered), *_ = ranks.run(program)
     psi = units * per_unit
-    persistent = 16 * psi / world_size  # fp32 shard, its grad, two AdamW moments: 4 + 4 + 8 bytes, split W ways
-    assert persistent == bytes_per_parameter("zero3", world_size).total * psi == 6e8
-    assert 4 * b_c * per_unit == 2e8  # two units gathered, each with its flat gradient
-    sent = units * 3 * communication_volume("all_gather", b_c * per_unit, world_size)
-    assert sent == units * 3 * communication_volume("reduce_scatter", b_c * per_unit, world_size)
-    assert sent == pytest.approx(3 * 7 / 8 * 2 * 3e8) and sent == pytest.approx(1.575e9)
-    assert communication_volume("all_reduce", b_c * psi, world_size) == pytest.approx(1.05e9)
+    assert persistent * scale == bytes_per_parameter("zero3", world_size).total * psi == 6e8
+    # Two units at once (at a boundary in backward), each its gathered parameters and its flat gradient.
+    flat_gradient = max(n for (name, _), n in zip(ranks.calls, ranks.nbytes) if name == "reduce_scatter")
+    assert 2 * (gathered + flat_gradient) * scale == 2e8
+    measured = {call: bytes_sent_per_rank(monkeypatch, call[0], world_size,
+                                          call[1] * (world_size if call[0] == "all_gather" else 1), torch.bfloat16)
+                for call in set(ranks.calls)}
+    sent = sum(measured[call] for call in ranks.calls)
+    assert len(ranks.calls) == 3 * units and sent * scale == pytest.approx(1.575e9)
+    assert sent * scale == pytest.approx(units * 3 * communication_volume("all_gather", 2 * per_unit, world_size))
+    ddp = bytes_sent_per_rank(monkeypatch, "all_reduce", world_size, units * small, torch.bfloat16) * scale
+    assert ddp == pytest.approx(1.05e9) == communication_volume("all_reduce", 2 * psi, world_size)
+    text = " ".join(SECTION.read_text().split())
+    for printed in ("16 dot 3 dot 10^8 slash 8 = 6 dot 10^8", "4 dot 2 dot 25 dot 10^6 = 2 dot 10^8",
+                    "3 dot 7 slash 8 dot 2 dot 3 dot 10^8 = 1.575 dot 10^9", "$1.05 dot 10^9$"):
+        assert printed in text, printed

@@ -102,6 +102,13 @@ def test_the_chunked_final_state_is_the_recurrences_over_a_partial_chunk():
     assert torch.allclose(final, state, atol=1e-12)
 
 
+def held_bytes(cache):
+    """(bytes of each linear layer's state, bytes of each attention layer's keys and values), from the tensors."""
+    layers = cache.layers
+    return ([t.nbytes for t in layers if torch.is_tensor(t)],
+            [sum(t.nbytes for t in layer) for layer in layers if not torch.is_tensor(layer)])
+
+
 def formula(config, batch, tokens, element):
     """n_L B H d^2 4 + n_A 2 B H t d e."""
     n_attention = sum(config.is_attention(i) for i in range(config.n_layers))
@@ -114,16 +121,16 @@ def test_worked_example_and_self_check():
     config = HybridConfig()
     assert (config.n_heads, config.head_dim, config.n_layers, config.attention_every) == (2, 32, 8, 4)
     assert sum(config.is_attention(i) for i in range(8)) == 2
-    assert 2 * 32 ** 2 * 4 == 8192 and 6 * 8192 == 49152 == formula(config, 1, 0, 4)
-    assert 2 * 2 * 2 * 32 * 4 == 1024 == formula(config, 1, 1, 4) - formula(config, 1, 0, 4)
-    assert formula(config, 1, 100, 4) == 49152 + 102400 == 151552
     with torch.no_grad():
         model = stack(config, dtype=torch.float32)
         x = torch.randn(1, 101, config.d_model, dtype=torch.float32)
         _, cache = model.prefill(x[:, :100])
-        assert cache_bytes(cache) == 151552
+        states, keys_values = held_bytes(cache)
+        assert states == [8192] * 6 and sum(states) == 49152 == formula(config, 1, 0, 4)
+        assert sum(keys_values) == 102400 and cache_bytes(cache) == 151552 == formula(config, 1, 100, 4)
         _, cache = model.decode(x[:, 100:], cache)
-        assert cache_bytes(cache) == 151552 + 1024
+        assert sum(map(sum, held_bytes(cache))) == cache_bytes(cache) == 151552 + 1024
+        assert 1024 == formula(config, 1, 1, 4) - formula(config, 1, 0, 4)
     # An all-attention stack of eight layers: 4096 bytes a token; it needs less only while t < 16.
     everywhere = HybridConfig(attention_every=1)
     assert formula(everywhere, 1, 1, 4) == 4096 and formula(everywhere, 1, 0, 4) == 0
@@ -132,8 +139,12 @@ def test_worked_example_and_self_check():
     hybrid, full = formula(config, 1, 4096, 4), formula(everywhere, 1, 4096, 4)
     assert round(hybrid / 2 ** 20, 2) == 4.05 and full == 16 * 2 ** 20 and 0.25 < hybrid / full < 0.26
     # Self-check (1): bfloat16, B = 1, 100 tokens.
-    assert 2 * 2 * 2 * 100 * 32 * 2 == 51200 and formula(config, 1, 100, 2) == 49152 + 51200 == 100352
     with torch.no_grad():
+        model = stack(config, dtype=torch.bfloat16)
+        _, cache = model.prefill(x[:, :100].to(torch.bfloat16))
+        states, keys_values = held_bytes(cache)
+        assert (sum(states), sum(keys_values)) == (49152, 51200)
+        assert cache_bytes(cache) == formula(config, 1, 100, 2) == 100352
         # Self-check (2): B = 2, a 10-token prompt, then one decode step, in bfloat16 (whose bytes the formula
         # counts too: float32 states, bfloat16 keys and values).
         model = stack(config, dtype=torch.bfloat16)

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from reference.kernels import flash_attention_torch as flash_module
 from reference.kernels.flash_attention_torch import flash_attention_torch
@@ -210,15 +211,16 @@ def test_grouped_order_numbers_of_the_section():
     grouped = panels_of_wave(lambda p: grouped_tile(p, 64, 64, 8), 132)
     assert row_major == (3, 64) and sum(row_major) == 67
     assert grouped == (8, 17) and sum(grouped) == 25
-    assert 8 + math.ceil(132 / 8) == 25
-    panel_bytes = 128 * 8192 * 2
+    panel = torch.empty(128, 8192, dtype=torch.bfloat16, device="meta")  # 128 rows of A (or columns of B)
+    panel_bytes = panel.nbytes
     assert panel_bytes == 2 * MIB
-    flops = 132 * 2 * 128**2 * 8192
+    with FlopCounterMode(display=False) as counter:
+        panel @ panel.T  # one 128 x 128 tile of C
+    flops = 132 * counter.get_total_flops()
     assert round(flops / (67 * panel_bytes)) == 252
     assert round(flops / (25 * panel_bytes)) == 676
     assert flops / (132 * 2 * panel_bytes) == 64  # two panels per tile, nothing shared
     # Self-check 3: M = 2048, N = 1024, 128 x 128 tiles, GROUP_M = 8, program 100.
-    assert (1024 // 128, 8 * (1024 // 128), 100 % 64) == (8, 64, 36)
     assert grouped_tile(100, 2048 // 128, 1024 // 128, 8) == (12, 4)
     text = section_text("matmul")
     for printed in ("$p = 13$ gives $g = 24$, $\"first\" = 0$, $r = 3$, tile $(13 mod 3, floor(13 \\/ 3)) = (1, 4)$",
@@ -288,13 +290,25 @@ def test_matmul_intensity_numbers_of_the_section():
 
 
 def test_matmul_self_check_answers():
-    n = 8192
-    assert n**3 * (1 / 128 + 1 / 128) * 2 == 16 * GIB
-    assert 2 * n * n * 2 == 256 * MIB
-    assert (16 * GIB) / (256 * MIB) == 64
-    stage = (128 + 256) * 64 * 2
+    """(1) The elements Algorithm 1 loads, counted on it for M = N = K = 256 with 128 x 128 tiles and scaled to 8192
+    (the count is cubic in the side), in 16-bit; (2) sizes of a stage and of the accumulator as torch gives them."""
+    n, small = 8192, 256
+    gen = torch.Generator().manual_seed(0)
+    a, b = torch.randn(small, small, generator=gen), torch.randn(small, small, generator=gen)
+    _, loaded = tile_loop_matmul(a, b, 128, 128, 64, 8)
+    loads = loaded * (n // small) ** 3 * 2
+    distinct = 2 * torch.empty(n, n, dtype=torch.bfloat16, device="meta").nbytes
+    assert (loads, distinct) == (16 * GIB, 256 * MIB) and loads / distinct == 64
+    stage = sum(torch.empty(*shape, dtype=torch.bfloat16, device="meta").nbytes for shape in ((128, 64), (64, 256)))
     assert stage == 48 * KIB and 3 * stage == 144 * KIB <= 228 * KIB
-    assert 128 * 256 / (8 * 32) == 128
+    accumulator = torch.empty(128, 256, dtype=torch.float32, device="meta").nbytes
+    assert accumulator // 4 // (8 * 32) == 128  # 32-bit registers over 8 warps of 32 threads
+    text = section_text("matmul")
+    for printed in ("$M N K (1 \\/ 128 + 1 \\/ 128) dot 2$ bytes $= 16$ GiB",
+                    "against $2 dot 8192^2 dot 2$ bytes $= 256$ MiB",
+                    "each element is loaded 64 times", "$(128 + 256) dot 64 dot 2$ bytes $= 48$ KiB, 144 KiB for three",
+                    "takes 128 of a thread's 255 registers", "$p mod g = 36$: tile (12, 4)"):
+        assert printed in text, printed
 
 
 # ---------------------------------------------------------------------------------------------------------------

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from torch.utils.flop_counter import FlopCounterMode
 
 from reference.attention.linear_attention import linear_attention_parallel, linear_attention_recurrent
 
@@ -76,6 +77,13 @@ def chunked_backward(q, k, v, boundary, grad_o, size):
         dv[s] = kf[s] @ grad_states[c] + a.T @ grad_o[s]
         dq[s], dk[s] = d_qf * phi_slope(q[s]), d_kf * phi_slope(k[s])
     return grad_states, dq, dk, dv
+
+
+def torch_flops(function):
+    """The FLOPs of the matrix products `function` runs, as torch counts them."""
+    with FlopCounterMode(display=False) as counter:
+        function()
+    return counter.get_total_flops()
 
 
 def random_inputs(seed, n=37, key_dim=4, value_dim=3):
@@ -163,10 +171,16 @@ def test_flop_count():
 
 
 def test_self_check_answers():
-    chunked = chunked_flops(4096, 64, 64, 64)
-    parallel = 4 * 4096 ** 2 * 64
-    assert chunked == 134217728 and round(chunked / 1e8, 2) == 1.34
-    assert 2 * 4096 * 64 * 128 == 4 * 4096 * 64 ** 2 == 67108864
+    # FLOPs as torch counts them: the section's chunked form (linear in T for whole chunks: counted at T = 256 and
+    # scaled); its 64 blocks' two C x C products; the rest, the states' products; the parallel form's T x T products.
+    q, k, v = random_inputs(6, n=256, key_dim=64, value_dim=64)
+    chunked = torch_flops(lambda: chunked_forward(q, k, v, 64)) * 4096 // 256
+    assert chunked == chunked_flops(4096, 64, 64, 64) == 134217728 and round(chunked / 1e8, 2) == 1.34
+    meta = [torch.empty(4096, 64, device="meta") for _ in range(3)]
+    blocks = 64 * torch_flops(lambda: (meta[0][:64] @ meta[1][:64].T) @ meta[2][:64])
+    states = chunked - blocks
+    assert (blocks, states) == (67108864, 67108864)
+    parallel = torch_flops(lambda: (meta[0] @ meta[1].T) @ meta[2])
     assert parallel == 4294967296 and round(parallel / 1e9, 2) == 4.29 and parallel // chunked == 32
     # T = 100, C = 32: four chunks, so four boundary states, the first zero, and dS_3 = 0.
     assert math.ceil(100 / 32) == len(chunks(100, 32)) == 4

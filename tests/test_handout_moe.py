@@ -11,11 +11,12 @@ indices, gates, counts and losses are compared; so are the numeric answers of ev
 """
 
 import math
-from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
 import torch.nn.functional as F
+from torch.utils.flop_counter import FlopCounterMode
 
 from reference.moe.accounting import parameter_counts
 from reference.moe.bias_balancing import update_expert_bias
@@ -238,21 +239,42 @@ def test_forward_flops_and_three_times_that_with_the_backward():
     counter = Products()
     layer_backward(w, k, torch.ones(tokens, width, dtype=F64), mm=counter)
     assert counter.flops == 2 * forward
-    # Every expert on every token instead: E / k times the routed products.
-    assert 6 * tokens * experts * width * hidden == experts // k * 6 * tokens * k * width * hidden
+    # Every expert on every token instead: E / k times the routed products. The count is linear in k, so the
+    # products that do not depend on it (router, shared experts) are 2 c(1) - c(2).
+    counts = {}
+    for top in (1, 2, experts):
+        counter = Products()
+        layer_forward(w, top, mm=counter)
+        counts[top] = counter.flops
+    fixed = 2 * counts[1] - counts[2]
+    assert counts[experts] - fixed == experts // k * (counts[k] - fixed)
 
 
 def test_speed_shape_costs_printed_in_the_section():
     tokens, experts, k, width, hidden, shared, b = 16384, 64, 6, 2048, 1408, 2, 2
-    rows = tokens * k / experts
-    assert rows == 1536
-    # Expert e: 6 n D H FLOPs over 3 D H b bytes of weights, 2 n / b FLOPs per byte: n in bfloat16.
-    assert Fraction(6 * 1536 * width * hidden, 3 * width * hidden * b) == 1536
-    assert round(989e12 / 3.35e12) == 295
-    routed = 6 * tokens * k * width * hidden
+
+    def uniform_rows(tokens):
+        """Rows per expert when routing is uniform: token t to experts t k, ..., t k + k - 1 (mod E)."""
+        chosen = (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts
+        return set(torch.bincount(chosen.flatten(), minlength=experts).tolist())
+
+    def expert_flops(rows):
+        """torch's count of one expert's SwiGLU products on `rows` rows (meta tensors)."""
+        x = torch.empty(rows, width, device="meta", dtype=torch.bfloat16)
+        gate, up, down = (torch.empty(*shape, device="meta", dtype=torch.bfloat16)
+                          for shape in ((width, hidden), (width, hidden), (hidden, width)))
+        with FlopCounterMode(display=False) as counter:
+            (F.silu(x @ gate) * (x @ up)) @ down
+        return counter.get_total_flops()
+
+    assert uniform_rows(tokens) == {1536}
+    # Expert e: 6 n D H FLOPs over its 3 D H b bytes of weights: n FLOPs per byte in bfloat16.
+    weight_bytes = torch.empty(3, width, hidden, device="meta", dtype=torch.bfloat16).nbytes
+    assert expert_flops(1536) / weight_bytes == 1536
+    routed = experts * expert_flops(1536)
     assert round(routed / 1e12, 2) == 1.70 and round(routed / 989e12 * 1e3, 1) == 1.7
-    assert 64 * k / experts == 6  # rows per expert in decoding, T = 64
-    assert round(3 * experts * width * hidden * b / 1e9, 1) == 1.1
+    assert uniform_rows(64) == {6}  # rows per expert in decoding, T = 64
+    assert round(experts * weight_bytes / 1e9, 1) == 1.1
     permutations, swiglu_traffic = 4 * tokens * k * width * b, 6 * tokens * k * hidden * b
     assert round(permutations / 1e9, 2) == 1.61 and round(swiglu_traffic / 1e9, 2) == 1.66
     assert round((permutations + swiglu_traffic) / 3.35e12 * 1e3) == 1
@@ -467,8 +489,13 @@ def test_group_limited_worked_decision_and_self_check():
     close(one.gate_TK, [0.667, 0.333], 3)
     unlimited = sigmoid_route(logits, torch.eye(6), torch.zeros(6), 2)
     assert unlimited.expert_index_TK.tolist() == [[0, 4]]  # expert 0 is the token's best
-    # (1) DeepSeek-V3: 4 of 8 groups of 256 / 8 experts.
-    assert 4 * 256 // 8 == 128
+    # (1) DeepSeek-V3: 4 of 8 groups of 256 / 8 experts; the chosen experts lie in the chosen groups.
+    gen = torch.Generator().manual_seed(3)
+    v3 = group_limited_route(torch.randn(5, 16, generator=gen), torch.randn(256, 16, generator=gen), num_groups=8,
+                             groups_per_token=4, k=8)
+    candidates = ((torch.arange(256) // 32)[None, :, None] == v3.group_index_TM[:, None, :]).any(-1)
+    assert candidates.sum(-1).tolist() == [128] * 5
+    assert candidates.gather(1, v3.expert_index_TK).all()
     # (2) M = G is plain top-k over all sigmoid affinities, renormalised.
     gen = torch.Generator().manual_seed(4)
     x, w = torch.randn(20, 8, generator=gen), torch.randn(12, 8, generator=gen)
@@ -487,14 +514,17 @@ def test_bias_balancing_worked_step_and_self_check():
     close(out.expert_bias_E, [-0.001, 0.0, 0.001, 0.15], 6)
     # (1) T = 4096, E = 64, k = 8: a load of exactly 512 keeps the bias.
     tokens, experts, k = 4096, 64, 8
-    assert tokens * k / experts == 512
     chosen = (torch.arange(tokens)[:, None] * k + torch.arange(k)) % experts  # every expert chosen 512 times
     balanced = torch.zeros(tokens, experts).scatter(1, chosen, 1.0)
     bias = torch.linspace(-0.01, 0.01, experts)
     out = update_expert_bias(balanced, bias, k, 0.001)
     assert out.tokens_per_expert_E.tolist() == [512] * experts and torch.equal(out.expert_bias_E, bias)
-    # (2) A gap of 0.05 closing by 2 gamma a step: 25 steps.
-    assert Fraction("0.05") / (2 * Fraction("0.001")) == 25
+    # (2) A gap of 0.05 closing by 2 gamma a step: 25 steps, run on the reference, until the other expert is chosen.
+    scores, bias, steps = torch.tensor([[0.55, 0.5]] * 4, dtype=F64), torch.zeros(2, dtype=F64), 0
+    while (scores + bias)[0, 0] - (scores + bias)[0, 1] > 1e-9:
+        bias = update_expert_bias(scores, bias, 1, 0.001).expert_bias_E
+        steps += 1
+    assert steps == 25
 
 
 def test_sequence_balance_loss_self_check():
@@ -519,8 +549,9 @@ def test_sequence_balance_loss_self_check():
 
 def test_upcycle_self_check():
     width, hidden, experts = 4096, 14336, 8
-    assert experts * 3 * width * hidden * 2 == 2818572288 and experts * width * 4 == 131072
-    assert round(2818572288 / 1e9, 2) == 2.82
+    experts_bytes = torch.empty(experts, 3, width, hidden, device="meta", dtype=torch.bfloat16).nbytes
+    router_bytes = torch.empty(experts, width, device="meta", dtype=torch.float32).nbytes
+    assert (experts_bytes, router_bytes) == (2818572288, 131072) and round(experts_bytes / 1e9, 2) == 2.82
     # (2) router_std = 0: experts 0 and 1 for every token, gates 1/2, and the dense MLP's output.
     gen = torch.Generator().manual_seed(2)
     gate, up, down = (torch.randn(*shape, generator=gen, dtype=F64) for shape in ((5, 6), (5, 6), (6, 5)))
@@ -541,7 +572,8 @@ MIXTRAL = dict(vocab_size=32000, hidden_size=4096, num_layers=32, num_heads=32, 
 def test_accounting_self_check():
     counts = parameter_counts(**MIXTRAL)
     assert (counts.total, counts.activated) == (46702792704, 12879925248)
-    one_expert = 3 * 4096 * 14336
+    ninth = parameter_counts(**{**MIXTRAL, "num_routed_experts": 9})
+    one_expert = (ninth.routed_experts - counts.routed_experts) // 32  # one more expert in each of 32 layers
     assert one_expert == 176160768 and counts.routed_experts == 45097156608 == one_expert * 8 * 32
     assert round(counts.routed_experts / counts.total * 100) == 97
     tied = parameter_counts(**MIXTRAL, tied_embeddings=True)
@@ -559,3 +591,21 @@ def test_analysis_warm_ups():
     toy = parameter_counts(vocab_size=1000, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=4, head_dim=16,
                            num_routed_experts=8, experts_per_token=2, expert_intermediate_size=32)
     assert (toy.activated, toy.total) == (186688, 260416) and round(toy.activated / toy.total, 3) == 0.717
+
+
+SECTIONS = Path(__file__).resolve().parents[1] / "assignment/handout/sections/moe"
+
+
+@pytest.mark.parametrize("section, printed", [
+    ("moe_layer", ("that is 1536", "1.70 TFLOP in the forward", "(1.7 ms at full speed)", "$n_e = 6$",
+                   "1.1 GB of expert weights")),
+    ("group_limited_routing", ("(1) Among $4 dot 32 = 128$",)),
+    ("bias_balancing", ("$overline(n) = 4096 dot 8 \\/ 64 = 512$", "(2) 25: the gap closes by $2 gamma = 0.002$")),
+    ("upcycle", ("$8 dot 3 dot 4096 dot 14336 dot 2 = 2818572288$ bytes (2.82 GB); the float32 router 131072 bytes",)),
+    ("accounting", ("$3 dot 4096 dot 14336 = 176160768$; times $8 dot 32$: $45097156608$, 97 % of the total",)),
+])
+def test_the_sections_print_the_numbers_recomputed_here(section, printed):
+    """Each number above, recomputed by a test of this file, is the one its section prints."""
+    text = " ".join((SECTIONS / f"{section}.typ").read_text().split())
+    for string in printed:
+        assert string in text, string

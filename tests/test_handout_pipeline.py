@@ -12,14 +12,17 @@ with one process's.
 """
 
 import queue
-import threading
 from fractions import Fraction
+from pathlib import Path
 
 import pytest
 import torch
 
 import reference.parallel.pipeline as pipeline
 from reference.parallel.pipeline import _schedule_order, bubble_fraction, pipeline_step_torch
+from tests.thread_ranks import ThreadRanks
+
+SECTION = Path(__file__).resolve().parents[1] / "assignment/handout/sections/parallel/pipeline.typ"
 
 SHAPES = [(p, m) for p in range(1, 7) for m in range(1, 10)]
 TIMES = [(1, 1), (1, 2), (2, 1), (2, 3)]
@@ -59,6 +62,11 @@ def simulate(schedule, p, m, tf, tb):
                 progress = True
     assert all(position[s] == len(orders[s]) for s in range(p)), "the schedule deadlocks"
     return orders, starts, max(free)
+
+
+def warm_up(order):
+    """The forwards a stage runs before its first backward."""
+    return [kind for kind, _ in order].index("B")
 
 
 def peak_held(order):
@@ -146,52 +154,52 @@ def test_worked_example_p3_m4():
         ". F0 F1 . B0 F2 B1 F3 B2 . B3 .",
         ". . F0 B0 F1 B1 F2 B2 F3 B3 . .",
     ]
-    assert [min(p - s - 1, m) for s in range(p)] == [2, 1, 0]
+    # Forwards before the first backward: the warm-up's w = p - s - 1, then the steady state's first forward.
+    assert [warm_up(_schedule_order("1f1b", p, s, m)) for s in range(p)] == [3, 2, 1]
     for rows in (gpipe, one_f_one_b):
         assert [row.split().count(".") for row in rows] == [4, 4, 4]
-        assert Fraction(4, 12) == Fraction(p - 1, m + p - 1)
+        assert bubble_fraction(p, m) == pytest.approx(4 / 12)
     assert [t for t, e in enumerate(one_f_one_b[0].split()) if e == "."] == [3, 4, 8, 10]
     assert [t for t, e in enumerate(gpipe[0].split()) if e == "."] == [4, 5, 6, 7]
-    assert one_f_one_b[0].split().index("B0") == 5 == 3 + 2  # F0 through three stages, B0 back up two
+    assert one_f_one_b[0].split().index("B0") == 5  # F0 through three stages, B0 back up two
     assert [peak_held(_schedule_order("gpipe", p, s, m)) for s in range(p)] == [4, 4, 4]
     assert [peak_held(_schedule_order("1f1b", p, s, m)) for s in range(p)] == [3, 2, 1]
 
 
 def test_self_check_bubble_peaks_and_memory():
-    assert Fraction(7, 39) == Fraction(8 - 1, 32 + 8 - 1)
+    orders, _, step = simulate("1f1b", 8, 32, 1, 1)
+    assert Fraction(step - len(orders[0]), step) == Fraction(7, 39)  # each stage idle for the rest of the step
     assert round(bubble_fraction(8, 32) * 100, 1) == 17.9
     assert peak_held(_schedule_order("1f1b", 8, 0, 32)) == 8
     assert peak_held(_schedule_order("1f1b", 8, 7, 32)) == 1
-    assert 32 * 1.5 == 48 and 8 * 1.5 == 12
+    gib = [peak_held(_schedule_order(schedule, 8, 0, 32)) * 1.5 for schedule in ("gpipe", "1f1b")]
+    assert gib == [48, 12]
+    text = " ".join(SECTION.read_text().split())
+    for printed in ("(1) $7 slash 39 approx 17.9%$; 8 and 1; 48 GiB and 12 GiB",
+                    "Stages 0 and 1 ($w = 3, 2$): $F_0 F_1 F_2 B_0 B_1 B_2$, GPipe's; "
+                    "stage 2: $F_0 F_1 B_0 F_2 B_1 B_2$; stage 3: $F_0 B_0 F_1 B_1 F_2 B_2$",
+                    "(3) $m$ on the end stages, $2 m$ in between", "$2 m (p - 1) = 48$ in all"):
+        assert printed in text, printed
 
 
 def test_self_check_orders_coincide_with_gpipe_exactly_when_m_at_most_p_minus_s():
     orders = [" ".join(f"{k}{i}" for k, i in _schedule_order("1f1b", 4, s, 3)) for s in range(4)]
     assert orders == ["F0 F1 F2 B0 B1 B2", "F0 F1 F2 B0 B1 B2", "F0 F1 B0 F2 B1 B2", "F0 B0 F1 B1 F2 B2"]
-    assert [min(4 - s - 1, 3) for s in (0, 1)] == [3, 2]
     for p, m in SHAPES:
         for s in range(p):
             same = _schedule_order("1f1b", p, s, m) == _schedule_order("gpipe", p, s, m)
             assert same == (m <= p - s), (p, s, m)
 
 
-class PointToPoint:
-    """torch.distributed's send/recv for stages run as threads of one process: a queue per (source, destination)."""
+class PointToPoint(ThreadRanks):
+    """torch.distributed's isend/recv for stages run as threads of one process: a queue per (source, destination).
+    Not `tests.thread_ranks.Messages`, which replaces the collectives module's own batched `_exchange`: the pipeline
+    calls torch.distributed's point-to-point functions directly, and the test counts its isends."""
 
     def __init__(self, world):
-        self.world = world
-        self.local = threading.local()
+        super().__init__(world)
         self.channels = {(a, b): queue.Queue() for a in range(world) for b in range(world)}
         self.sends = [0] * world
-
-    def get_rank(self, group=None):
-        return self.local.rank
-
-    def get_world_size(self, group=None):
-        return self.world
-
-    def get_global_rank(self, group, rank):
-        return rank
 
     def isend(self, tensor, dst, group=None):
         self.sends[self.local.rank] += 1
@@ -219,25 +227,11 @@ def test_self_check_sends_per_stage_on_the_reference(monkeypatch, schedule):
     stages = [torch.nn.Linear(width, width, dtype=torch.float64) for _ in range(p)]
     for stage, layer in zip(stages, layers):
         stage.load_state_dict(layer.state_dict())
-    losses, errors = [None] * p, []
-
-    def run(s):
-        fake.local.rank = s
-        try:
-            losses[s] = pipeline.pipeline_step(
-                stages[s], inputs if s == 0 else None, targets if s == p - 1 else None, m, schedule,
-                (rows // m, width), torch.nn.functional.mse_loss)
-        except Exception as error:  # noqa: BLE001 - reported below
-            errors.append(error)
-
-    threads = [threading.Thread(target=run, args=(s,)) for s in range(p)]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join(timeout=60)
-    assert not errors, errors
+    losses = fake.run(lambda s: pipeline.pipeline_step(
+        stages[s], inputs if s == 0 else None, targets if s == p - 1 else None, m, schedule, (rows // m, width),
+        torch.nn.functional.mse_loss))
     assert fake.sends == [m, 2 * m, 2 * m, m]
-    assert sum(fake.sends) == 2 * m * (p - 1) == 48
+    assert sum(fake.sends) == 48
     loss = pipeline_step_torch(layers, inputs, targets, torch.nn.functional.mse_loss)
     assert torch.allclose(losses[-1], loss, rtol=1e-12, atol=1e-12)
     for stage, layer in zip(stages, layers):

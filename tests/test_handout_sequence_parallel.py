@@ -11,11 +11,10 @@ gradients and its collectives are checked. The self-check's byte counts come fro
 """
 
 import copy
-import threading
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 
 from reference.parallel.accounting import communication_volume, transformer_layer_activations
@@ -25,64 +24,9 @@ from reference.parallel.sequence_parallel import (
     mlp_block_torch,
     reduce_scatter_sequence,
 )
+from tests.thread_ranks import Collectives, bytes_sent_per_rank
 
 pytestmark = pytest.mark.usefixtures("float64_by_default")
-
-
-class ThreadRanks:
-    """W ranks as threads of one process; the collectives the references issue are done in memory, in order."""
-
-    def __init__(self, world_size, monkeypatch):
-        self.world_size, self.local, self.posted, self.calls = world_size, threading.local(), [None] * world_size, []
-        self.barrier = threading.Barrier(world_size, timeout=30)
-        for name in ("get_rank", "get_world_size", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-            monkeypatch.setattr(dist, name, getattr(self, name))
-
-    def get_rank(self, group=None):
-        return self.local.rank
-
-    def get_world_size(self, group=None):
-        return self.world_size
-
-    def _exchange(self, name, tensor):
-        """Every rank posts its tensor; every rank gets all of them, in rank order."""
-        if self.local.rank == 0:
-            self.calls.append((name, tensor.numel()))
-        self.posted[self.local.rank] = tensor.detach().clone()
-        self.barrier.wait()
-        posted = list(self.posted)
-        self.barrier.wait()
-        return posted
-
-    def all_reduce(self, tensor, op=None, group=None):
-        tensor.copy_(sum(self._exchange("all_reduce", tensor)))
-
-    def all_gather_into_tensor(self, out, tensor, group=None):
-        out.copy_(torch.cat(self._exchange("all_gather", tensor)))
-
-    def reduce_scatter_tensor(self, out, tensor, op=None, group=None):
-        out.copy_(sum(self._exchange("reduce_scatter", tensor)).chunk(self.world_size)[self.local.rank])
-
-    def run(self, program):
-        """program(rank) on every rank at once; the ranks' results, in rank order."""
-        results, errors = [None] * self.world_size, []
-
-        def body(rank):
-            self.local.rank = rank
-            try:
-                results[rank] = program(rank)
-            except Exception as error:  # noqa: BLE001 - re-raised below, after every thread has stopped
-                errors.append(error)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=body, args=(rank,)) for rank in range(self.world_size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return results
 
 
 def own_tokens(x, r, n):
@@ -142,7 +86,7 @@ def test_layout_example_as_printed(monkeypatch):
     fixed = rank_major.unflatten(0, (n, b)).transpose(0, 1).reshape(b, 4, 1)
     assert fixed[..., 0].tolist() == [[0, 1, 2, 3], [10, 11, 12, 13]]
     # The reference's own functions on two simulated ranks; partial sums P_q = x + 100 q.
-    ranks = ThreadRanks(n, monkeypatch)
+    ranks = Collectives(n, monkeypatch)
     results = ranks.run(lambda r: (gather_sequence(shards[r]), reduce_scatter_sequence(x + 100 * r)))
     assert all(torch.equal(gathered, x) for gathered, _ in results)
     assert [scattered[..., 0].tolist() for _, scattered in results] == [[[100, 102], [120, 122]],
@@ -209,7 +153,7 @@ def test_reference_block_on_simulated_ranks(monkeypatch, n):
     norm, fc1, fc2 = make_block(d=d, seed=10 + n)
     x = torch.randn(b, n * t, d)
     upstream = torch.randn(b, n * t, d)
-    ranks = ThreadRanks(n, monkeypatch)
+    ranks = Collectives(n, monkeypatch)
 
     def program(rank):
         block = SequenceParallelMLPBlock(norm, fc1, fc2, p)
@@ -238,14 +182,32 @@ def test_reference_block_on_simulated_ranks(monkeypatch, n):
                            ("reduce_scatter", full), ("all_reduce", 3 * d)]
 
 
-def test_self_check_bytes_and_activation_memory():
-    payload = 4 * 2048 * 4096 * 2
-    assert payload == 67_108_864
-    gather, scatter = (communication_volume(c, payload, 4) for c in ("all_gather", "reduce_scatter"))
-    assert gather == scatter == 50_331_648
-    assert gather + scatter == communication_volume("all_reduce", payload, 4) == 100_663_296
-    assert payload // 4 == 16_777_216
+SECTION = Path(__file__).resolve().parents[1] / "assignment/handout/sections/parallel/sequence_parallel.typ"
+
+
+def test_self_check_bytes_and_activation_memory(monkeypatch):
+    """B = 4, T = 2048, D = 4096, bf16, N = 4: the reference block's forward collectives, logged on 4 simulated ranks
+    with T = 8, D = 4, and the bytes each sends, measured on the reference's ring collectives; both scaled, every
+    count being linear in T D."""
+    b, t, d, n = 4, 8, 4, 4
+    scale = 2048 * 4096 // (t * d)
+    norm, fc1, fc2 = make_block(d=d)
+    ranks = Collectives(n, monkeypatch)
+    ranks.run(lambda rank: SequenceParallelMLPBlock(norm, fc1, fc2, 0.0)(torch.randn(b, t // n, d), seed=0))
+    (gather, local), (scatter, full) = ranks.calls
+    assert (gather, scatter) == ("all_gather", "reduce_scatter")
+    item = torch.bfloat16.itemsize
+    assert (local * scale * item, full * scale * item) == (16_777_216, 67_108_864)  # a norm-region activation: 1 / N
+    sent = [bytes_sent_per_rank(monkeypatch, name, n, full, torch.bfloat16) * scale for name in (gather, scatter)]
+    assert sent == [50_331_648, 50_331_648] and sum(sent) == 100_663_296
+    # With tensor parallelism alone, one all-reduce of the same [B, T, D], the same bytes.
+    assert bytes_sent_per_rank(monkeypatch, "all_reduce", n, full, torch.bfloat16) * scale == sum(sent)
+    assert sent == [communication_volume(c, full * scale * item, n) for c in ("all_gather", "reduce_scatter")]
     # The norm region's activations shrink N-fold (the accounting problem's LayerNorm term, 4 sbh bytes per layer).
     plain = transformer_layer_activations(2048, 4, 4096, 32, tensor_parallel=4)
     split = transformer_layer_activations(2048, 4, 4096, 32, tensor_parallel=4, sequence_parallel=True)
-    assert plain.layernorm == 4 * split.layernorm == 4 * 2048 * 4 * 4096
+    assert plain.layernorm == 4 * split.layernorm == 4 * full * scale * item // 2
+    text = " ".join(SECTION.read_text().split())
+    for printed in ("sends $50 thin 331 thin 648$ bytes", "($3 slash 4$ of $67 thin 108 thin 864$)",
+                    "$100 thin 663 thin 296$", "$16 thin 777 thin 216$ bytes instead of $67 thin 108 thin 864$"):
+        assert printed in text, printed

@@ -11,9 +11,11 @@ autograd through the reference's oracle `sparse_attention_torch`. The worked exa
 """
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from reference.attention.sparse_dsa import indexer_scores_torch, select_topk, sparse_attention_torch
 
@@ -106,6 +108,24 @@ def algorithm_1(q, k, v, indices, dO, block=2):
     return o, L, dq, dk, dv
 
 
+class ScatterAdds(TorchDispatchMode):
+    """Counts the elements (and their bytes) that index_add_ calls add, as torch dispatches them."""
+
+    def __enter__(self):
+        self.elements = self.bytes = 0
+        return super().__enter__()
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func in (torch.ops.aten.index_add_.default, torch.ops.aten.index_add.default):
+            source = args[3]
+            self.elements += source.numel()
+            self.bytes += source.numel() * source.element_size()
+        return func(*args, **(kwargs or {}))
+
+
+SECTION = Path(__file__).resolve().parents[1] / "assignment/handout/sections/attention/sparse_dsa.typ"
+
+
 def random_selection(n, k, gen):
     """Distinct keys in any order, -1 in any slot, at least one key per row."""
     rows = []
@@ -185,10 +205,35 @@ def test_worked_example():
 
 def test_self_check_answers():
     # (1) Atomic additions per query, k = 2048, d = 128: one program of 64 heads, or four of 16.
-    k, d = 2048, 128
-    assert 2 * k * d == 524288 and 2 * k * d * 4 == 2 * 2**20  # 2 MiB of float32 added per query
-    assert 4 * 2 * k * d == 2097152
-    # (2) T = 8192, top 2048: the rows with a -1 (queries 0 to 2046), and their -1 slots.
-    n = 8192
-    short = [t for t in range(n) if t + 1 < k]
-    assert len(short) == 2047 and sum(k - (t + 1) for t in short) == 2047 * 2048 // 2 == 2096128
+    # Counted on Algorithm 1 for one query whose slots all hold keys: the elements its scatter-adds add, linear in
+    # the slots, so counted for 256 of them and scaled to k = 2048.
+    k, d, heads, slots = 2048, 128, 64, 256
+    gen = torch.Generator().manual_seed(0)
+    f32 = dict(generator=gen, dtype=torch.float32)  # the kernel's dK and dV buffers
+    q, dO = torch.randn(1, heads, d, **f32), torch.randn(1, heads, d, **f32)
+    keys, values = torch.randn(slots, d, **f32), torch.randn(slots, d, **f32)
+    indices = torch.randperm(slots, generator=gen)[None]
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with ScatterAdds() as one:
+            algorithm_1(q, keys, values, indices, dO, block=slots)
+        with ScatterAdds() as four:
+            for group in range(4):
+                heads_of = slice(16 * group, 16 * (group + 1))
+                algorithm_1(q[:, heads_of], keys, values, indices, dO[:, heads_of], block=slots)
+    finally:
+        torch.set_default_dtype(previous)
+    scale = k // slots
+    assert one.elements * scale == 524288 and one.bytes * scale == 2 * 2**20  # 2 MiB of float32 added per query
+    assert four.elements * scale == 2097152
+    # (2) T = 8192, top 2048: the rows with a -1 (queries 0 to 2046), and their -1 slots. On the reference, query t
+    # holds max(k - (t + 1), 0) slots of -1 (checked on a small case); summed over the 8192 queries.
+    small = select_topk(torch.randn(1, 12, 12, **f32), 5)[0]
+    holes = lambda t, k: max(k - (t + 1), 0)
+    assert (small == -1).sum(1).tolist() == [holes(t, 5) for t in range(12)]
+    assert sum(holes(t, k) > 0 for t in range(8192)) == 2047 and sum(holes(t, k) for t in range(8192)) == 2096128
+    text = " ".join(SECTION.read_text().split())
+    for printed in ("$2 k d = 524288$ (2 MiB of float32", "programs of 16 heads each adds its own rows: $2097152$",
+                    "queries 0 to 2046, 2047 rows", "$2047 dot 2048 \\/ 2 = 2096128$ in all"):
+        assert printed in text, printed

@@ -10,11 +10,10 @@ self-check's answers are recomputed.
 """
 
 import math
-import threading
+from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 
 from reference.parallel.accounting import communication_volume
 from reference.parallel.tensor_parallel import (
@@ -25,64 +24,9 @@ from reference.parallel.tensor_parallel import (
     attention_torch,
     mlp_torch,
 )
+from tests.thread_ranks import Collectives, bytes_sent_per_rank
 
 pytestmark = pytest.mark.usefixtures("float64_by_default")
-
-
-class ThreadRanks:
-    """W ranks as threads of one process; the collectives the references issue are done in memory, in order."""
-
-    def __init__(self, world_size, monkeypatch):
-        self.world_size, self.local, self.posted, self.calls = world_size, threading.local(), [None] * world_size, []
-        self.barrier = threading.Barrier(world_size, timeout=30)
-        for name in ("get_rank", "get_world_size", "all_reduce", "all_gather_into_tensor", "reduce_scatter_tensor"):
-            monkeypatch.setattr(dist, name, getattr(self, name))
-
-    def get_rank(self, group=None):
-        return self.local.rank
-
-    def get_world_size(self, group=None):
-        return self.world_size
-
-    def _exchange(self, name, tensor):
-        """Every rank posts its tensor; every rank gets all of them, in rank order."""
-        if self.local.rank == 0:
-            self.calls.append((name, tensor.numel()))
-        self.posted[self.local.rank] = tensor.detach().clone()
-        self.barrier.wait()
-        posted = list(self.posted)
-        self.barrier.wait()
-        return posted
-
-    def all_reduce(self, tensor, op=None, group=None):
-        tensor.copy_(sum(self._exchange("all_reduce", tensor)))
-
-    def all_gather_into_tensor(self, out, tensor, group=None):
-        out.copy_(torch.cat(self._exchange("all_gather", tensor)))
-
-    def reduce_scatter_tensor(self, out, tensor, op=None, group=None):
-        out.copy_(sum(self._exchange("reduce_scatter", tensor)).chunk(self.world_size)[self.local.rank])
-
-    def run(self, program):
-        """program(rank) on every rank at once; the ranks' results, in rank order."""
-        results, errors = [None] * self.world_size, []
-
-        def body(rank):
-            self.local.rank = rank
-            try:
-                results[rank] = program(rank)
-            except Exception as error:  # noqa: BLE001 - re-raised below, after every thread has stopped
-                errors.append(error)
-                self.barrier.abort()
-
-        threads = [threading.Thread(target=body, args=(rank,)) for rank in range(self.world_size)]
-        for thread in threads:
-            thread.start()
-        for thread in threads:
-            thread.join()
-        if errors:
-            raise errors[0]
-        return results
 
 
 def gelu(h):
@@ -182,7 +126,7 @@ def test_worked_example_as_printed():
 def test_reference_layers_on_the_worked_example(monkeypatch):
     """The reference's column and row layers, ReLU between them, on two simulated ranks: Y = (3, 5), dX = (2, 3),
     one all-reduce of [B, D] in forward (g) and one in backward (f)."""
-    ranks = ThreadRanks(2, monkeypatch)
+    ranks = Collectives(2, monkeypatch)
     fc1, fc2 = torch.nn.Linear(2, 4, bias=False), torch.nn.Linear(4, 2, bias=False)
     with torch.no_grad():
         fc1.weight.copy_(WORKED_W1)
@@ -209,7 +153,7 @@ def test_reference_mlp_and_attention_one_all_reduce_each_way(monkeypatch, n):
     fc1, fc2 = torch.nn.Linear(d, f), torch.nn.Linear(f, d)
     qkv, proj = torch.nn.Linear(d, 3 * d), torch.nn.Linear(d, d)
     x = torch.randn(batch, tokens, d)
-    ranks = ThreadRanks(n, monkeypatch)
+    ranks = Collectives(n, monkeypatch)
 
     def program(rank):
         results = []
@@ -242,14 +186,35 @@ def test_reference_mlp_and_attention_one_all_reduce_each_way(monkeypatch, n):
     assert ranks.calls == [("all_reduce", batch * tokens * d)] * 4
 
 
+SECTION = Path(__file__).resolve().parents[1] / "assignment/handout/sections/parallel/tensor_parallel.typ"
+
+
 def test_self_check_bytes_and_shapes(monkeypatch):
-    payload = 8192 * 4096 * 2
-    assert payload == 67_108_864
-    sent = 2 * communication_volume("all_reduce", payload, 8)
-    assert sent == 2 * 2 * 7 / 8 * payload == 234_881_024
-    ranks = ThreadRanks(4, monkeypatch)
+    """B T = 8192 tokens, D = 4096, bf16, N = 8: the reference MLP's collectives per step, logged on 8 simulated ranks
+    with 8 tokens of D = 8 (a multiple of N, as 8192 * 4096 is), and the bytes a ring all-reduce of them sends,
+    measured on the reference's ring collectives; both scaled, every count being linear in the tokens' size."""
+    tokens, d, world_size = 8, 8, 8
+    scale = 8192 * 4096 // (tokens * d)
+    ranks = Collectives(world_size, monkeypatch)
+    fc1, fc2 = torch.nn.Linear(d, 4 * d), torch.nn.Linear(4 * d, d)
+
+    def program(rank):
+        x = torch.randn(tokens, d, requires_grad=True)
+        TensorParallelMLP(fc1, fc2)(x).sum().backward()
+
+    ranks.run(program)
+    assert ranks.calls == [("all_reduce", tokens * d)] * 2  # g in forward, f in backward
+    payload = tokens * d * scale * torch.bfloat16.itemsize
+    sent = sum(bytes_sent_per_rank(monkeypatch, name, world_size, numel, torch.bfloat16) for name, numel in ranks.calls)
+    assert (payload, sent * scale) == (67_108_864, 234_881_024)
+    assert sent * scale == 2 * communication_volume("all_reduce", payload, world_size)
+    ranks = Collectives(4, monkeypatch)
     fc1 = torch.nn.Linear(1024, 4096, device="meta")
     fc2 = torch.nn.Linear(4096, 1024, device="meta")
     shapes = ranks.run(lambda r: {k: tuple(v.shape) for k, v in TensorParallelMLP(fc1, fc2).named_parameters()})
     assert all(s == {"fc1.weight": (1024, 1024), "fc1.bias": (1024,), "fc2.weight": (1024, 1024),
                      "fc2.bias": (1024,)} for s in shapes)
+    text = " ".join(SECTION.read_text().split())
+    for printed in ("$8192 dot 4096 dot 2 = 67 thin 108 thin 864$", "$234 thin 881 thin 024$",
+                    "$[1024, 1024]$, $[1024]$, $[1024, 1024]$, $[1024]$", "(3) $(1, 1)$", "$dif X = (4, 6)$"):
+        assert printed in text, printed

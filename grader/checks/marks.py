@@ -18,6 +18,12 @@ def multi_gpu(count: int):
     return pytest.mark.skipif(available < count, reason=f"needs {count} GPUs, one per rank ({available} here)")
 
 
+# The grader's own marks, registered by grader.plugin (and by tests/conftest.py, whose tests import grader modules).
+MARKERS = {
+    "timed_on_gpu": "times the student's kernels on a GPU (grader.checks.marks)",
+    "points_groups": "a test function graded as several points groups (grader.checks.marks.points_groups)",
+}
+
 # A test that times the student's kernels on a GPU when there is one, like the speed tests: in the students' copy,
 # which grades on the CPU with the GPUs hidden, it runs with them in the GPU lane (grader.plugin.pytest_runtestloop).
 timed_on_gpu = pytest.mark.timed_on_gpu
