@@ -22,7 +22,7 @@ from torch.profiler import ProfilerActivity, profile
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "assignment" / "handout" / "examples"))
-from silu import silu  # noqa: E402  (the example is a file of the handout, not a package)
+from silu import silu  # the example is a file of the handout, not a package
 
 OUT = ROOT / "assignment" / "handout" / "data" / "silu_profile.json"
 SIZES = {"small": 1 << 16, "large": 8192 * 8192}

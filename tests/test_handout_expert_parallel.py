@@ -110,7 +110,8 @@ def test_worked_example_numbers():
     text = " ".join(SECTION.read_text().split())
     for printed in ("S = mat(3, 3; 2, 4), quad R_0 = mat(2, 1; 1, 1), quad R_1 = mat(1, 2; 3, 1)",
                     "Rank 0 sends splits $(3, 3)$ and receives $(3, 2)$, 5 rows; rank 1 sends $(2, 4)$ and receives "
-                    "$(3, 4)$, 7 rows; 12 $= N T k$", "$\"perm\" = (1, 4, 2, 5, 0, 3)$ and the tokens are $(0, 2, 1, 2, 0, 1)$",
+                    "$(3, 4)$, 7 rows; 12 $= N T k$",
+                    "$\"perm\" = (1, 4, 2, 5, 0, 3)$ and the tokens are $(0, 2, 1, 2, 0, 1)$",
                     "the local experts $(0, 1, 1, 0, 0, 0, 1)$, grouped by $(0, 3, 4, 5, 1, 2, 6)$",
                     "$n_1 (0) = 4$ rows and $e_3$ on $n_1 (1) = 3$"):
         assert printed in text, printed
