@@ -32,7 +32,7 @@ timed_on_gpu = pytest.mark.timed_on_gpu
 def points_groups(groups: dict[str, list], argname: str):
     """One test function graded as several points groups: it is parametrised by `group`, each value a points group
     of the registry (the score table's rows), and by `argname`, each group's own values (a world size, say). Its
-    node ids read test_<function>[<group>-<value>]; grader.plugin.group_of reads the group from the parameter."""
+    node ids read test_<function>[<group>-<value>]; group_of reads the group from the parameter."""
     params = [pytest.param(group, value, id=f"{group}-{value}") for group, values in groups.items() for value in values]
 
     def decorate(function):

@@ -179,20 +179,11 @@ def measure_into(out: Path, reference: PackageSpec, problem_ids: list[str], call
     were measured with the same torch, triton, CUDA and number of calls, beside this GPU's ratios of other problems
     (so that one problem can be measured again alone); returns the GPU's name."""
     gpu = torch.cuda.get_device_name(0)
-    stored = json.loads(out.read_text()) if out.exists() else {"format": FORMAT, "gpus": {}}
-    earlier = stored["gpus"].get(gpu, {})
-    here = versions()
-    alike = earlier.get("versions") == here and earlier.get("calls") == calls
-    kept = earlier.get("problems", {}) if alike else {}
-    stored["gpus"][gpu] = {"versions": here, "calls": calls, "problems": kept}
+    entry = {"versions": versions(), "calls": calls, "problems": {}}
+    merge_into(out, {"gpus": {gpu: entry}})  # first drops the GPU's ratios measured with other versions or calls
     for problem_id, measured in measure_gpu(reference, problem_ids, calls):
-        kept[problem_id] = measured
-        write(out, stored)
+        merge_into(out, {"gpus": {gpu: {**entry, "problems": {problem_id: measured}}}})
     return gpu
-
-
-def write(out: Path, ratios: dict) -> None:
-    out.write_text(json.dumps(ratios, indent=1, sort_keys=True) + "\n")
 
 
 def median_of(passes: list[dict]) -> dict:
@@ -229,7 +220,7 @@ def merge_into(out: Path, measured: dict) -> None:
         alike = (earlier.get("versions"), earlier.get("calls")) == (entry["versions"], entry["calls"])
         problems = {**(earlier.get("problems", {}) if alike else {}), **entry["problems"]}
         stored["gpus"][gpu] = {**entry, "problems": problems}
-    write(out, stored)
+    out.write_text(json.dumps(stored, indent=1, sort_keys=True) + "\n")
 
 
 def main(argv: list[str] | None = None) -> int:
