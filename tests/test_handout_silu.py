@@ -5,6 +5,7 @@ Triton's interpreter is chosen by tests/conftest.py before triton is first impor
 the kernel runs on CPU tensors."""
 
 import importlib.util
+import json
 import math
 
 import pytest
@@ -59,3 +60,55 @@ def test_the_self_check_answers_are_right():
     assert grouped(math.ceil(n / block)) in section  # programs
     programs = math.ceil(4097 / block)
     assert f"{programs} programs" in section and f"{programs * block - 4097} lanes" in section
+
+
+PROFILE = HANDOUT / "data" / "silu_profile.json"
+FIGURE = HANDOUT / "figures_silu_profile.typ"
+
+
+@pytest.fixture(scope="module")
+def profile():
+    return json.loads(PROFILE.read_text())
+
+
+def gaps_and_spans(trace, kind):
+    """The GPU's idle time before each kernel of `kind` after the first, and each such kernel's duration (µs)."""
+    kernels = [k for k in trace["kernels"] if k["kind"] == kind]
+    gaps = [b["start_us"] - a["end_us"] for a, b in zip(kernels, kernels[1:])]
+    return gaps, [k["end_us"] - k["start_us"] for k in kernels]
+
+
+def test_the_trace_was_recorded_on_a_gpu_with_every_call(profile):
+    """What benchmarks/silu_profile.py writes, from a GPU: five silu kernels and five copies in each trace, in the
+    order issued, and silu's five launches from the host."""
+    assert profile["gpu"].startswith("NVIDIA") and profile["torch"] and profile["triton"]
+    assert set(profile["traces"]) == {"small", "large"}
+    for trace in profile["traces"].values():
+        kinds = [k["kind"] for k in trace["kernels"]]
+        assert kinds == ["silu"] * profile["calls"] + ["copy"] * profile["calls"], kinds
+        assert len(trace["launches"]) == profile["calls"]  # silu's launches; the copies are memcpys
+        assert all(k["end_us"] > k["start_us"] >= 0 for k in trace["kernels"] + trace["launches"])
+        assert trace["bytes_moved_per_call"] == 2 * trace["n"] * 2  # bfloat16: read and write n elements
+
+
+def test_the_panel_titles_say_what_the_trace_shows(profile):
+    """The figure's titles are claims about the recorded trace: at the small size the GPU waits between kernels
+    longer than each kernel runs; at the large size, after the first kernel, it never waits (gaps under 2% of a
+    kernel's time)."""
+    figure = FIGURE.read_text()
+    assert "launches slower than kernels, the GPU waits between them" in figure
+    assert "after the first, kernels back to back, the GPU never waits" in figure
+    for kind in ("silu", "copy"):
+        small_gaps, small_spans = gaps_and_spans(profile["traces"]["small"], kind)
+        assert min(small_gaps) > max(small_spans), (kind, small_gaps, small_spans)
+        large_gaps, large_spans = gaps_and_spans(profile["traces"]["large"], kind)
+        later_gaps = large_gaps[1:] if kind == "silu" else large_gaps
+        assert max(later_gaps) < 0.02 * min(large_spans), (kind, large_gaps, large_spans)
+    assert (profile["traces"]["small"]["n"], profile["traces"]["large"]["n"]) == (2**16, 8192**2)
+    assert "$n = 2^16$" in figure and "$n = 8192^2$" in figure
+
+
+def test_the_section_draws_the_trace_and_names_where_it_was_recorded():
+    section = SECTION.read_text()
+    assert "#figure(fig-silu-profile()" in section and "#profile.gpu" in section
+    assert 'json("/data/silu_profile.json")' in FIGURE.read_text()
