@@ -42,6 +42,7 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cuda_graphs import replay_ms
 from reference.attention.gated_deltanet import gated_deltanet_chunked
 from reference.attention.linear_attention import linear_attention_chunked
 from reference.attention.mamba2 import mamba2_chunked
@@ -173,16 +174,7 @@ def graphed_forward_backward_ms(function, tensors: dict[str, torch.Tensor]) -> f
         out = out[0] if isinstance(out, tuple) else out
         torch.autograd.grad(out, leaves, torch.ones_like(out), allow_unused=True)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm up (compile, allocate) off the capture
-        for _ in range(3):
-            call()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        call()
-    return triton.testing.do_bench(graph.replay, warmup=5, rep=100, return_mode="median")
+    return replay_ms(call)
 
 
 def scaling_rows(problems: list[str]) -> list[str]:

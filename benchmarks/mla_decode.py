@@ -51,6 +51,7 @@ from torch import Tensor, nn
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cuda_graphs import replay_ms
 from reference.attention.mla import MLACache, MLAConfig, MultiHeadLatentAttention
 
 BATCH = 64
@@ -142,21 +143,6 @@ def gpu_milliseconds(step: Callable[[], object]) -> float:
     import triton.testing  # only here, so that the quick run works where triton is missing
 
     return triton.testing.do_bench(step, warmup=5, rep=100, return_mode="median")
-
-
-def graph_milliseconds(step: Callable[[], object]) -> float:
-    """The step captured once in a CUDA graph and timed as replays: its GPU time without the host's launch cost,
-    which for a step of a few dozen small operators is most of its eager time."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # warm-up off the default stream, as capture asks
-        for _ in range(3):
-            step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        step()
-    return gpu_milliseconds(graph.replay)
 
 
 def cpu_milliseconds(step: Callable[[], object]) -> float:
@@ -296,7 +282,7 @@ def main() -> None:
         import triton
 
         setting = Setting("cuda", DTYPE, BATCH, CONTEXTS, LAYERS, CHECK_CONTEXT, gpu_milliseconds,
-                          graph_milliseconds)
+                          replay_ms)
         machine = (f"{torch.cuda.get_device_name(0)}, torch {torch.__version__}, triton {triton.__version__}, "
                    f"Python {platform.python_version()}")
     print(machine, flush=True)

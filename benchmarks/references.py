@@ -31,6 +31,8 @@ import triton.testing
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from benchmarks.cuda_graphs import replay_ms
+
 BUFFERS = 4
 
 
@@ -51,17 +53,8 @@ def median_ms(function, input_sets: list[tuple]) -> float:
 def graph_ms(function, input_sets: list[tuple]) -> float:
     """Median milliseconds per call of `function` replayed from one CUDA graph that calls it on each input set in turn:
     the GPU's time, with no host launch between the calls."""
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):  # compiles and allocates outside the capture
-        for args in input_sets:
-            function(*args)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for args in input_sets:
-            function(*args)
-    return triton.testing.do_bench(graph.replay, warmup=20, rep=300, return_mode="median") / len(input_sets)
+    step = lambda: [function(*args) for args in input_sets]
+    return replay_ms(step, warmup=20, rep=300) / len(input_sets)
 
 
 @dataclass
