@@ -36,7 +36,8 @@ def reference_recorded(tmp_path_factory):
     from tests.grading import ROOT, run_grader
 
     folder = tmp_path_factory.mktemp("expectations")
-    return run_grader(ROOT / "reference", "--record-expectations", str(folder)), folder
+    # In two lanes (`--jobs 2`, whole problems each), one for each of CI's cores: the largest run of the suite.
+    return run_grader(ROOT / "reference", "--record-expectations", str(folder), "--jobs", "2"), folder
 
 
 @pytest.fixture(scope="session")
