@@ -4,12 +4,12 @@ sizes 64 and 128.
 
     python benchmarks/flash_attention.py   # prints the rows and writes benchmarks/results/flash_attention.md
 
-Every side takes the same bfloat16 q, k, v laid out [B, H, T, d], contiguous, made before the timing, so no transpose
-or copy is inside a timed call. The forward is timed alone; the backward is torch.autograd.grad to q, k and v from an
+Every side takes the same bfloat16 q, k, v laid out [B, H, T, d], contiguous, made before the timing, so no transpose or
+copy is inside a timed call. The forward is timed alone; the backward is torch.autograd.grad to q, k and v from an
 output computed once per input set outside the timed call (benchmarks/references.backward_of). Throughput counts the
 matmuls only: 4 B H T^2 d FLOPs forward, 2.5 times that backward, halved when causal. A figure is the median of three
-runs, each the median of CUDA-event timings (triton.testing.do_bench) over two input sets taken in turn; the spread is
-(fastest - slowest) / median of the three, the largest of the row's sides.
+runs, each the median of CUDA-event timings over two input sets taken in turn (benchmarks/references.median_ms); the
+spread is (slowest - fastest) / median of the three, the largest of the row's sides.
 
 FlashAttention-3's published figures on an H100 SXM5 (Shah et al., 2024: batch x length = 16k tokens, 2048 hidden,
 bfloat16, head size 128, length 4096) are 638 TFLOP/s forward and 542 backward, where the same charts give cuDNN 609
@@ -25,13 +25,12 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 import triton
-import triton.testing
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.references import backward_of
+from benchmarks.references import backward_of, median_ms
 from reference.kernels.flash_attention_triton import flash_attention
 
 BATCH, HEADS, SEQ = 4, 16, 4096
@@ -48,16 +47,6 @@ def sdpa(backend: SDPBackend, causal: bool):
         with sdpa_kernel(backend):
             return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
     return run
-
-
-def median_ms(function, input_sets: list[tuple]) -> float:
-    turn = {"i": 0}
-
-    def call():
-        turn["i"] = (turn["i"] + 1) % len(input_sets)
-        function(*input_sets[turn["i"]])
-
-    return triton.testing.do_bench(call, warmup=25, rep=200, return_mode="median")
 
 
 def runs(function, input_sets: list[tuple]) -> tuple[float, float] | None:
