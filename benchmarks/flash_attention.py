@@ -30,7 +30,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.references import backward_of, median_ms
+from benchmarks.references import backward_of, median_and_spread, median_ms
 from reference.kernels.flash_attention_triton import flash_attention
 
 BATCH, HEADS, SEQ = 4, 16, 4096
@@ -52,12 +52,11 @@ def sdpa(backend: SDPBackend, causal: bool):
 def runs(function, input_sets: list[tuple]) -> tuple[float, float] | None:
     """(median ms, spread) of RUNS timings, or None where the backend refuses these inputs on this GPU."""
     try:
-        times = sorted(median_ms(function, input_sets) for _ in range(RUNS))
+        times = [median_ms(function, input_sets) for _ in range(RUNS)]
     except RuntimeError as refused:  # e.g. a backend not built for this GPU or head size
         print(f"  refused: {str(refused).splitlines()[0]}", flush=True)
         return None
-    median = times[len(times) // 2]
-    return median, (times[-1] - times[0]) / median
+    return median_and_spread(times)
 
 
 def main() -> None:

@@ -43,6 +43,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
 from benchmarks.cuda_graphs import replay_ms
+from benchmarks.references import median_and_spread
 from reference.attention.gated_deltanet import gated_deltanet_chunked
 from reference.attention.linear_attention import linear_attention_chunked
 from reference.attention.mamba2 import mamba2_chunked
@@ -90,9 +91,7 @@ def forward_backward_ms(function, tensors: dict[str, torch.Tensor]) -> float:
 
 def runs_ms(function, tensors: dict[str, torch.Tensor]) -> tuple[float, float]:
     """(median, spread) of RUNS timings of forward_backward_ms: spread is (slowest - fastest) / median."""
-    times = sorted(forward_backward_ms(function, tensors) for _ in range(RUNS))
-    median = times[len(times) // 2]
-    return median, (times[-1] - times[0]) / median
+    return median_and_spread([forward_backward_ms(function, tensors) for _ in range(RUNS)])
 
 
 def token_major(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -50,6 +50,14 @@ def median_ms(function, input_sets: list[tuple]) -> float:
     return triton.testing.do_bench(call, warmup=50, rep=300, return_mode="median")
 
 
+def median_and_spread(times_ms: list[float]) -> tuple[float, float]:
+    """The median of repeated timings and their spread, (slowest - fastest) / median: how far one run can be from
+    the next."""
+    ordered = sorted(times_ms)
+    median = ordered[len(ordered) // 2]
+    return median, (ordered[-1] - ordered[0]) / median
+
+
 def graph_ms(function, input_sets: list[tuple]) -> float:
     """Median milliseconds per call of `function` replayed from one CUDA graph that calls it on each input set in turn:
     the GPU's time, with no host launch between the calls."""
