@@ -41,6 +41,13 @@ def test_isolation_overhead_grades_the_problems_it_names():
         assert module + "::" in listed, listed[-2000:]
 
 
+def test_compile_share_times_the_tests_it_selects(capsys):
+    """Two runs of the selected tests with one Triton cache; under the interpreter nothing is compiled."""
+    assert benchmark("compile_share").main(["kernels.gelu", "--profile", "ci", "-k", "invalid_arguments and bool"]) == 0
+    printed = capsys.readouterr().out
+    assert "| test_invalid_arguments[bool] |" in printed and "| all 1 reached twice |" in printed, printed
+
+
 def test_speed_stability_starts_the_reference_in_the_graders_sandbox():
     level, _ = isolation.choose("auto")
     sandbox_isolation = isolation.Isolation(level)
