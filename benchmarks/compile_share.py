@@ -17,7 +17,6 @@ shows where its first minutes went. Under Triton's interpreter nothing is compil
 from __future__ import annotations
 
 import argparse
-import os
 import signal
 import subprocess
 import sys
@@ -28,8 +27,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
-from benchmarks.grading_time import BENCHMARK_SEED
-from grader.sandbox.policy import SECRET_SEED_FILE_VARIABLE, SECRET_SEED_VARIABLE
+from benchmarks.grading_time import grader_environment
 
 GRACE_S = 60  # after the interrupt, for pytest to write its report
 
@@ -40,9 +38,7 @@ def grade(problem: str, profile: str, impl: str, selection: str | None, cache: P
     command = [sys.executable, "-m", "pytest", "grader", "-q", "-p", "no:cacheprovider", "--problem", problem,
                "--impl", impl, "--profile", profile, "--isolation", "none", "--allow-unisolated",
                "--junitxml", str(report), *(["-k", selection] if selection else [])]
-    environment = {key: value for key, value in os.environ.items()
-                   if key not in (SECRET_SEED_VARIABLE, SECRET_SEED_FILE_VARIABLE)}
-    environment.update({SECRET_SEED_VARIABLE: BENCHMARK_SEED, "TRITON_CACHE_DIR": str(cache)})
+    environment = {**grader_environment(profile), "TRITON_CACHE_DIR": str(cache)}
     run = subprocess.Popen(command, cwd=ROOT, env=environment, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     try:
         run.wait(timeout_s)
