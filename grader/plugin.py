@@ -24,7 +24,7 @@ from grader.checks.inert import inert
 from grader.checks.outcomes import NotImplementedByStudent, RuleViolation
 from grader.cluster import site
 from grader.cluster.snapshot import BadSubmission, snapshot
-from grader.ranks.launcher import RankJob, launcher_for
+from grader.ranks.launcher import RankJob, launch, launcher_for
 from grader.sandbox import isolation, policy, source_policy
 from grader.sandbox.client import Sandbox
 from grader.session import backend, budget, dump, lanes, outer_timeout, reference_lock, seal
@@ -500,7 +500,7 @@ class Ranks:
             # that ranks nobody watches (a Slurm job) cannot wait forever.
             collective_timeout_s=self.problem.call_timeout_s * self.timeout_scale + 30,
         )
-        return self.launcher.run(job)
+        return launch(self.launcher, job)
 
     def close(self) -> None:
         if hasattr(self.launcher, "close"):

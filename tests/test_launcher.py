@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from grader.checks.outcomes import StudentCrashed, StudentError, StudentTimedOut
-from grader.ranks.launcher import LocalLauncher, RankJob, SubmititLauncher
+from grader.ranks.launcher import GroupSetupFailed, LocalLauncher, RankJob, SubmititLauncher, launch
 from grader.sandbox import isolation
 from grader.session.packages import resolve
 from tests.grading import ROOT, processes_with
@@ -72,6 +72,33 @@ def test_an_error_on_one_rank_names_it():
 def test_a_dead_rank_is_a_crash():
     with pytest.raises(StudentCrashed, match="rank 1 of 2 died \\(exited with status 3\\)"):
         LocalLauncher().run(job("rank_one_dies"))
+
+
+class CountingLauncher(LocalLauncher):
+    def __init__(self):
+        super().__init__()
+        self.runs = 0
+
+    def run(self, job: RankJob) -> list:
+        self.runs += 1
+        return super().run(job)
+
+
+def test_a_group_that_does_not_form_is_launched_again_then_the_graders_error():
+    """A process group that fails to form (here a backend torch does not know; on a loaded machine, gloo's connections
+    timing out) fails before any student code: launched once more, and then reported whole as the grader's error,
+    never as the student's."""
+    launcher = CountingLauncher()
+    try:
+        with pytest.raises(GroupSetupFailed) as raised:
+            launch(launcher, dataclasses.replace(job("sum_of_ranks"), backend="no-such-backend"))
+    finally:
+        launcher.close()
+    assert launcher.runs == 2
+    assert raised.value.status == "failed" and not isinstance(raised.value, StudentError)
+    assert raised.value.message.startswith("grader error, not your code's: rank ")
+    assert "could not join the process group" in raised.value.message and "no-such-backend" in raised.value.message
+    assert launch(launcher, job("sum_of_ranks"))[1]["sum"].item() == 3 and launcher.runs == 3
 
 
 def test_no_rank_outlives_its_run(monkeypatch):

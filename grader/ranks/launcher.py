@@ -32,7 +32,14 @@ from pathlib import Path
 import torch
 
 from grader.checks.inert import escaped, inert
-from grader.checks.outcomes import NotImplementedByStudent, StudentCrashed, StudentError, StudentTimedOut
+from grader.checks.outcomes import (
+    NotImplementedByStudent,
+    StudentAbort,
+    StudentCrashed,
+    StudentError,
+    StudentTimedOut,
+)
+from grader.ranks import GROUP_SETUP
 from grader.ranks.host import group_sandbox, rank_data_fds
 from grader.sandbox.client import exit_description, kill_group
 from grader.sandbox.policy import SECRET_VARIABLES, without_secrets
@@ -178,6 +185,11 @@ def collect(run: Path, job: RankJob, exit_codes: dict[int, int | None], timed_ou
         if path.exists():
             replies[rank] = read_reply(path)
             written_ns[rank] = path.stat().st_mtime_ns
+    setup_failed = sorted((r for r in replies if replies[r].get("kind") == GROUP_SETUP), key=written_ns.get)
+    if setup_failed:  # before any student code ran: whatever the other ranks did follows from it
+        reply = replies[setup_failed[0]]
+        raise GroupSetupFailed(f"rank {setup_failed[0]} of {job.world_size} could not join the process group: "
+                               f"{inert(reply['message'])}")
     missing = [r for r in range(job.world_size) if r not in replies]
     # A rank that exited by itself without a result is the cause of whatever its peers then saw.
     for rank in missing:
@@ -209,6 +221,25 @@ def collect(run: Path, job: RankJob, exit_codes: dict[int, int | None], timed_ou
     if missing:
         raise StudentCrashed(rank_death(run, missing[0], job.world_size, None))
     return [replies[r]["value"] for r in range(job.world_size)]
+
+
+class GroupSetupFailed(StudentAbort):
+    """The ranks' process group did not form: the grader's setup failed, before any student code was imported."""
+
+    status = "failed"
+
+
+def launch(launcher, job: RankJob, attempts: int = 2) -> list:
+    """`launcher.run(job)`, launched again when the process group did not form (gloo's connections can time out on a
+    loaded machine); what still fails is the grader's error, reported with gloo's whole message."""
+    for _ in range(attempts - 1):
+        with _ignoring(GroupSetupFailed):
+            return launcher.run(job)
+    try:
+        return launcher.run(job)
+    except GroupSetupFailed as failure:
+        raise GroupSetupFailed(f"grader error, not your code's: {failure.message} (launched {attempts} times); "
+                               "please report it to the course staff") from failure
 
 
 def log_text(path: Path) -> str:

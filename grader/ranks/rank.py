@@ -29,7 +29,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from grader.ranks import recorder
+from grader.ranks import GROUP_SETUP, recorder
 from grader.sandbox import guards
 from grader.sandbox.policy import SECRET_VARIABLES
 from grader.sandbox.wire import decode, encode, to_plain
@@ -115,7 +115,11 @@ def run_rank(run_dir: str) -> None:
         program = getattr(importlib.import_module(module_name), function_name)
         if job["backend"] == "nccl":
             torch.cuda.set_device(local_rank)
-        join_group(job["backend"], rank, world_size, job["collective_timeout_s"])
+        try:
+            join_group(job["backend"], rank, world_size, job["collective_timeout_s"])
+        except Exception as error:  # noqa: BLE001 - before any student code: the launch failed, not the student
+            write(result_file, {**describe_exception(error, impl.path), "kind": GROUP_SETUP})
+            return
         student = load_problem_module(impl, job["problem"])
         value = program(student, rank, world_size, *job["args"], **job["kwargs"], **own)
         write(result_file, {"status": "ok", "value": to_plain(value)})
