@@ -425,6 +425,7 @@ PROBLEMS: tuple[Problem, ...] = (
             "decode_matches_forward": 6,
             "cache_holds_latents_only": 3,
             "decode_builds_no_per_head_keys": 3,
+            "decode_appends_in_place": 3,
             "cache_bytes": 2,
             "invalid_arguments": 1,
         },

@@ -8,7 +8,7 @@ Layers: two DeepSeek-V2-like ones scaled to one GPU, head size d_h = 128, latent
 with d_model 2048 and 16 heads, and d_model 4096 and 32 heads; bfloat16; contexts T = 2048, 4096 and 8192.
 
 - MLA: the cache of T tokens is built directly as random latents [B, T, d_c] and rotary keys [B, T, d_r] (the
-  decode path takes any MLACache and places the new token at position T), and one step is
+  decode path takes any MLACache and places the new token at position T), with room for that token, and one step is
   MultiHeadLatentAttention.decode of one new token per sequence. Its cache is (d_c + d_r) elements per token, shown
   from the model's cache_bytes_per_token and from the cache tensors' bytes over their tokens.
 - MHA: K and V caches [B, H, T + 1, d_h] preallocated with room for the new token; one step projects the token's q,
@@ -22,11 +22,12 @@ one layer's worth, and the MLA step's copies of its 0.56 GiB cache stay under 2 
 At batch 64 a decoding step is bound by memory traffic, the cache's above all, so the time ratio should follow the
 bytes ratio, 2 H d_h / (d_c + d_r), less what the absorbed path adds: its extra matmuls (each head's query moved into
 the d_c-wide latent space, d_c-wide scores and weighted sums, each head's value up-projection). The reference's
-decode also concatenates the new token onto its cache (a copy of the whole cache, as it returns a fresh one) and
-casts the cache to float32 before its two batched products: by that count it moves about nine times its cache's
-bytes where MHA moves its own once. The GB/s columns, cache bytes over step time, show how close each step comes
-to reading its cache at the GPU's bandwidth. Each step is timed replayed from a CUDA graph (the GPU's time) and
-called from Python (eager, which adds the host's launch cost of a few dozen small operators).
+decode writes the new token into its cache's room in place, as MHA's does, but casts the cached rows to float32
+before its two batched products: by that count it moves about seven times its cache's bytes (read once to cast, the
+float32 copy, twice as large, written once and read twice) where MHA moves its own once. The GB/s columns, cache
+bytes over step time, show how close each step comes to reading its cache at the GPU's bandwidth. Each step is timed
+replayed from a CUDA graph (the GPU's time) and called from Python (eager, which adds the host's launch cost of a
+few dozen small operators).
 
 Before timing, each layer's decode output for token T' (from the cache of a prefill of T' tokens) is checked against
 the naive forward over T' + 1 tokens, so that a wrong use of the decode API shows. Times are medians of CUDA-event
@@ -128,9 +129,10 @@ def random_tensor(setting: Setting, *shape: int) -> Tensor:
 
 
 def mla_cache(setting: Setting, config: MLAConfig, context: int) -> MLACache:
-    """What a prefill of `context` tokens leaves, drawn at random: the step's time does not depend on the values."""
-    return MLACache(latent=random_tensor(setting, setting.batch, context, config.latent_dim),
-                    rope_key=random_tensor(setting, setting.batch, context, config.rope_dim))
+    """What a prefill of `context` tokens leaves, drawn at random (the step's time does not depend on the values),
+    with room for the token being decoded."""
+    return MLACache(latent=random_tensor(setting, setting.batch, context + 1, config.latent_dim),
+                    rope_key=random_tensor(setting, setting.batch, context + 1, config.rope_dim), length=context)
 
 
 def mha_cache(setting: Setting, config: MLAConfig, context: int) -> tuple[Tensor, Tensor]:
@@ -177,11 +179,11 @@ def check_decode(setting: Setting, model: MultiHeadLatentAttention) -> str:
 
 
 def mla_step(setting: Setting, model: MultiHeadLatentAttention, context: int) -> tuple[float, float, float, int]:
-    """(replayed step ms, eager step ms, cache bytes per token from the tensors, cache bytes) after a prefill of
-    `context` tokens."""
+    """(replayed step ms, eager step ms, cache bytes per token from the tensors, bytes of the `context` cached tokens)
+    after a prefill of `context` tokens; every repeat writes the same row of the cache's room, row `context`."""
     cache = mla_cache(setting, model.config, context)
     h = random_tensor(setting, setting.batch, 1, model.config.d_model)
-    cache_bytes = cache.latent.nbytes + cache.rope_key.nbytes
+    cache_bytes = (cache.latent.nbytes + cache.rope_key.nbytes) * context // (context + 1)
     step = lambda: model.decode(h, cache)
     return (setting.replayed_milliseconds(step), setting.milliseconds(step), cache_bytes / (setting.batch * context),
             cache_bytes)
@@ -257,11 +259,11 @@ def write_results(setting: Setting, machine: str, checks: list[str], rows: list[
         "",
         "At this batch a decoding step is bound by memory traffic, so a step that read its cache once at the GPU's "
         "bandwidth would follow the bytes ratio; MHA's step nearly does (its cache GB/s column). The reference's MLA "
-        "decode does not: it concatenates the new token onto a copy of its cache and casts the cache to float32 for "
-        "its two batched products, which then run without tensor cores, so it moves several times its cache's bytes "
-        "at a small fraction of the bandwidth, and its step is slower than MHA's although its cache is 7 to 14 times "
-        "smaller. A decode kernel that reads the latents once, in their own dtype, is what turns the smaller cache "
-        "into a faster step; the problem grades the cache and the absorbed algebra, not that kernel.",
+        "decode appends in place as MHA's does, but casts its cached rows to float32 for its two batched products, "
+        "which then run without tensor cores and read them twice: several times its cache's bytes. A decode kernel "
+        "that reads the latents once, in their own dtype, is what turns the smaller cache into a step as much "
+        "faster as the bytes ratio; the problem grades the cache, appending in place and the absorbed algebra, not "
+        "that kernel.",
         "",
         "Checks, before timing (decode output after a prefill against the naive forward):",
         "",

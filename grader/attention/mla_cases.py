@@ -1,11 +1,13 @@
 """What attention.mla's tests share: a layer's sizes and weights, and the programs that run it inside the worker (the
 student's module) or in the grader's process (the reference's, at the case's dtype and at float64, the oracle).
 
-The weights are the grader's, drawn by the pinned parameter names and loaded into both modules. A cache travels back
-to the grader as its two plain tensors, and decoding continues from them in a fresh module: what decoding needs must
-be in the cache. Decoding runs under a recorder of every tensor an operator returns (inside the worker: evidence
-against honest mistakes), which the grader searches for per-head keys or values of the whole cache, one tensor at a
-time and as the total a step builds over the cache's length.
+The weights are the grader's, drawn by the pinned parameter names and loaded into both modules. A prefill's cache
+leaves the layer as the rows of the tokens it holds, and decoding continues from them in a fresh layer, in a cache
+of the grader's with room to append in place: what decoding needs must be in the cache. Decoding runs under a
+recorder of every tensor an operator returns, and the grader compares the memory of the cache each step was given
+with the one it returned (both inside the worker: evidence against honest mistakes). It searches the first for
+per-head keys or values of the whole cache, one tensor at a time and as the total a step builds over the cache's
+length; the second tells a step that appended in place from one that copied its cache.
 
 The hybrid's cases (grader/attention/hybrid_cases.py) have the same shape and, for the reasons written there, no
 code in common with these.
@@ -120,8 +122,29 @@ def run_forward(module, config: dict, weights: dict, h: torch.Tensor, grad: torc
     return report
 
 
-def plain_cache(cache) -> list:
-    return [t.detach() if isinstance(t, torch.Tensor) else t for t in (cache.latent, cache.rope_key)]
+def held_rows(cache) -> list:
+    """A cache's latent and rotary-key rows of the tokens it holds (its first `length`), copied: what decoding
+    later writes into the room after them cannot change them."""
+    length = cache.length
+    return [t[:, :length].detach().clone() if isinstance(t, torch.Tensor) and isinstance(length, int) else t
+            for t in (cache.latent, cache.rope_key)]
+
+
+def with_room(module, rows: list, capacity: int):
+    """The grader's cache for a fresh layer: the held rows copied into zeroed rows of `capacity` tokens, so that the
+    first decode steps append in place and a later one must grow it. Rows that are not [B, t, size] tensors are
+    passed on as they came (the student's decode then meets them)."""
+    if not all(isinstance(t, torch.Tensor) and t.ndim == 3 for t in rows):
+        return module.MLACache(*rows, length=capacity)
+    length = rows[0].shape[1]
+    roomy = [t.new_zeros(t.shape[0], capacity, t.shape[2]) for t in rows]
+    for held, room in zip(rows, roomy):
+        room[:, :length] = held
+    return module.MLACache(*roomy, length=length)
+
+
+def storage_of(tensor) -> int | None:
+    return tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
 
 
 class _DecodeRecorder(TorchDispatchMode):
@@ -151,24 +174,32 @@ class _DecodeRecorder(TorchDispatchMode):
 
 @torch.no_grad()
 def run_prefill_decode(module, config: dict, weights: dict, h: torch.Tensor, prefill: int) -> dict:
-    """prefill(h[:, :prefill]), then decode every later token one at a time in a fresh module from the cache's plain
-    tensors: the outputs, the cache after prefill and at the end, cache_bytes_per_token, the large tensors decoding
-    built (see _DecodeRecorder: as many elements as every cached token's per-head keys), and per decode step the
-    tokens cached before it and the elements of the tensors it built."""
+    """prefill(h[:, :prefill]), then decode every later token one at a time in a fresh layer from the grader's cache
+    of the prefill's rows, with room for half the tokens still to come (with_room): the outputs, the rows held after
+    prefill and at the end, each length, cache_bytes_per_token and the last cache's tensors' bytes and capacities,
+    the large tensors decoding built (see _DecodeRecorder: as many elements as every cached token's per-head keys),
+    per decode step the tokens cached before it and the elements of the tensors it built, and the steps that had
+    room yet returned the cache in other memory than the one they were given."""
     prefilled, cache = build(module, config, weights).prefill(h[:, :prefill])
-    entries = plain_cache(cache)
+    entries, prefill_length = held_rows(cache), cache.length
     layer = build(module, config, weights)
-    cache = module.MLACache(*entries)
-    outputs, large, built = [prefilled], [], []
+    cache = with_room(module, entries, (prefill + h.shape[1]) // 2)
+    outputs, large, built, moved = [prefilled], [], [], []
     per_head = h.shape[0] * config["n_heads"] * config["head_dim"]
     for t in range(prefill, h.shape[1]):
+        given, room = (storage_of(cache.latent), storage_of(cache.rope_key)), t < cache.latent.shape[1]
         with _DecodeRecorder(per_head * t, t) as recorder:
             y_t, cache = layer.decode(h[:, t:t + 1], cache)
+        if room and given != (storage_of(cache.latent), storage_of(cache.rope_key)):
+            moved.append(t)
         outputs.append(y_t)
         large += recorder.seen
         built.append((t, recorder.elements))
-    return {"y": torch.cat(outputs, dim=1), "prefill_cache": entries, "cache": plain_cache(cache),
-            "bytes_per_token": layer.cache_bytes_per_token(), "large": large[:10], "built": built}
+    rows = [t for t in (cache.latent, cache.rope_key) if isinstance(t, torch.Tensor)]
+    return {"y": torch.cat(outputs, dim=1), "prefill_cache": entries, "prefill_length": prefill_length,
+            "cache": held_rows(cache), "length": cache.length, "bytes_per_token": layer.cache_bytes_per_token(),
+            "cache_bytes": sum(t.numel() * t.element_size() for t in rows), "capacities": [t.shape[1] for t in rows],
+            "large": large[:10], "built": built, "moved": moved}
 
 
 def call_invalid(module, method: str, shape: tuple[int, ...], dtype: str) -> None:

@@ -101,9 +101,14 @@ def test_decode_matches_forward(student, reference, case):
 @example(case=DECODE_CASE)
 @given(case=mla_cases(DTYPES))
 def test_cache_holds_latents_only(student, reference, case):
-    """After prefill and after the last decode step the cache holds c [B, t, latent_dim] and k^R [B, t, rope_dim]
-    of every token so far, in the model's dtype: the latents and the rotated keys themselves."""
+    """After prefill and after the last decode step the cache's length is the tokens so far, t, and its first t
+    rows hold c [B, t, latent_dim] and k^R [B, t, rope_dim] of them, in the model's dtype: the latents and the
+    rotated keys themselves."""
     got, (want64, want) = student_decode(student, case, lambda: expected_decode(reference, case))
+    for stage, key, length in (("prefill", "prefill_length", case.prefill), ("decode", "length", case.seq)):
+        if got[key] != length or type(got[key]) is not int:
+            raise WrongAnswer(f"MLACache.length after {stage} must be the int {length}, the tokens it holds, got "
+                              f"{got[key]!r} ({case.describe()})")
     for stage, length in (("prefill_cache", case.prefill), ("cache", case.seq)):
         for index, (name, size) in enumerate((("latent", case.latent_dim), ("rope_key", case.rope_dim))):
             actual = got[stage][index]
@@ -148,22 +153,38 @@ def test_decode_builds_no_per_head_keys(student):
                 f"({case.describe()})")
 
 
+def test_decode_appends_in_place(student):
+    """A step whose cache has room (capacity above its length) writes the token's rows at position `length` of the
+    cache's own tensors and returns them, copying nothing: the grader's cache holds room for half of DECODE_CASE's
+    decode steps. The later steps must grow it, whichever way (test_decode_matches_forward checks they did)."""
+    got, _ = student_decode(student, DECODE_CASE)
+    if got["moved"]:
+        first = got["moved"][0]
+        raise WrongAnswer(
+            f"decode returned the cache in new memory although the one it was given had room: {len(got['moved'])} "
+            f"step(s), the first with t = {first} tokens cached; a copy reads and writes the whole cache once more "
+            f"per step, more than the step itself reads: write the new token's latent and rotary key in place at "
+            f"position length and return the same tensors with length + 1 ({DECODE_CASE.describe()})")
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["float32", "bfloat16"])
 def test_cache_bytes(student, dtype):
-    """cache_bytes_per_token() is (latent_dim + rope_dim) elements of the model's dtype, and what the cache grew by
-    per token and sequence in decoding."""
+    """cache_bytes_per_token() is (latent_dim + rope_dim) elements of the model's dtype, and the bytes the cache's
+    tensors hold per token of their capacity after decoding."""
     case = replace(DECODE_CASE, dtype=dtype, seq=24)
     got, _ = student_decode(student, case)
     pinned = (case.latent_dim + case.rope_dim) * torch.finfo(dtype).bits // 8
     if got["bytes_per_token"] != pinned:
         raise WrongAnswer(f"cache_bytes_per_token() returned {got['bytes_per_token']!r}, expected (latent_dim + "
                           f"rope_dim) * element size = {pinned} ({case.describe()})")
-    grown = sum(t.numel() * t.element_size() for t in got["cache"]) - sum(
-        t.numel() * t.element_size() for t in got["prefill_cache"])
-    per_token = grown / (case.batch * (case.seq - case.prefill))
+    capacities = got["capacities"]
+    if len(capacities) != 2 or capacities[0] != capacities[1]:
+        raise WrongAnswer(f"after decoding, MLACache.latent and rope_key must be tensors of one capacity (their "
+                          f"dimension 1), got {capacities} ({case.describe()})")
+    per_token = got["cache_bytes"] / (case.batch * capacities[0])
     if per_token != pinned:
-        raise WrongAnswer(f"the cache grew by {per_token:g} bytes per token and sequence in decoding, "
-                          f"cache_bytes_per_token() says {pinned} ({case.describe()})")
+        raise WrongAnswer(f"after decoding, the cache's tensors hold {per_token:g} bytes per token of their "
+                          f"capacity and sequence, cache_bytes_per_token() says {pinned} ({case.describe()})")
 
 
 INVALID = [

@@ -51,8 +51,25 @@ class MLAConfig:
 
 @dataclass
 class MLACache:
-    latent: Tensor  # [B, t, latent_dim]
-    rope_key: Tensor  # [B, t, rope_dim]
+    """The tokens so far at positions 0 .. length-1 of preallocated rows; the rows from `length` on are room that
+    decode writes the next tokens into, in place, so that a step reads its cache without copying it."""
+
+    latent: Tensor  # [B, capacity, latent_dim]
+    rope_key: Tensor  # [B, capacity, rope_dim]
+    length: int
+
+
+def appended(cache: MLACache, latent: Tensor, rope_key: Tensor) -> MLACache:
+    """The cache with one more token ([B, 1, ...] each) at position `length`: written in place into its rows when
+    there is room, else into new rows of twice the capacity (the copy then paid once per as many steps). The given
+    object's fields stay as they were."""
+    batch, capacity, _ = cache.latent.shape
+    rows = (cache.latent, cache.rope_key)
+    if cache.length == capacity:
+        rows = tuple(held.new_empty(batch, 2 * capacity, held.shape[2]) for held in rows)
+        rows[0][:, :capacity], rows[1][:, :capacity] = cache.latent, cache.rope_key
+    rows[0][:, cache.length], rows[1][:, cache.length] = latent[:, 0], rope_key[:, 0]
+    return MLACache(*rows, length=cache.length + 1)
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -99,7 +116,8 @@ class MultiHeadLatentAttention(nn.Module):
         return q[..., :c.head_dim].to(acc), rope(q[..., c.head_dim:], positions).to(acc)
 
     def _latents(self, h: Tensor, positions: Tensor) -> MLACache:
-        return MLACache(latent=self.kv_down(h), rope_key=rope(self.rope_key(h), positions))
+        """The cache of h's T tokens at these positions, without room."""
+        return MLACache(self.kv_down(h), rope(self.rope_key(h), positions), length=h.shape[1])
 
     def forward(self, h: Tensor) -> Tensor:
         """The naive path: every head's keys and values materialised, causal over the T positions."""
@@ -130,10 +148,15 @@ class MultiHeadLatentAttention(nn.Module):
         if h.shape[1] != 1 or cache.latent.shape[0] != batch:
             raise ValueError(f"decode takes one token per sequence of the cache's batch {cache.latent.shape[0]}, "
                              f"got h of shape {tuple(h.shape)}")
+        capacity = cache.latent.shape[1]
+        if cache.rope_key.shape[:2] != (batch, capacity) or not 1 <= cache.length <= capacity:
+            raise ValueError(f"the cache's latent {tuple(cache.latent.shape)} and rope_key "
+                             f"{tuple(cache.rope_key.shape)} must have one capacity, and its length {cache.length} "
+                             "must be between 1 and it")
         acc = _accumulation_dtype(h.dtype)
-        position = torch.arange(cache.latent.shape[1], cache.latent.shape[1] + 1, device=h.device)  # no host copy
+        position = torch.arange(cache.length, cache.length + 1, device=h.device)  # no host copy
         new = self._latents(h, position)
-        cache = MLACache(torch.cat([cache.latent, new.latent], dim=1), torch.cat([cache.rope_key, new.rope_key], 1))
+        cache = appended(cache, new.latent, new.rope_key)
         q, q_rope = self._queries(h, position)  # [B, H, 1, d_h], [B, H, 1, d_r]
         key_up = self.key_up.weight.to(acc).view(c.n_heads, c.head_dim, c.latent_dim)
         # Every head scores the same cached latents: its H absorbed queries W_UK,i^T q_i are the rows of one [H, d_c]
@@ -141,7 +164,9 @@ class MultiHeadLatentAttention(nn.Module):
         # times).
         # One product per head with the batch as its rows: a broadcast q @ key_up would copy key_up once per sequence.
         q_latent = torch.einsum("bhd,hdc->bhc", q.squeeze(2), key_up)  # [B, H, d_c]
-        latent, rope_key = cache.latent.to(acc), cache.rope_key.to(acc)  # [B, t, d_c], [B, t, d_r]
+        # The held rows [B, t, d_c] and [B, t, d_r], views of the cache (a copy only where a bfloat16 cache is cast).
+        latent = cache.latent[:, :cache.length].to(acc)
+        rope_key = cache.rope_key[:, :cache.length].to(acc)
         scores = torch.bmm(q_latent, latent.transpose(1, 2)) + torch.bmm(q_rope.squeeze(2), rope_key.transpose(1, 2))
         weights = torch.softmax(scores / math.sqrt(c.head_dim + c.rope_dim), dim=-1)  # [B, H, t]
         mixed = torch.bmm(weights, latent)  # sum_s p_s c_s per head: [B, H, d_c]

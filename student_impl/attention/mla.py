@@ -62,12 +62,16 @@ class MLAConfig:
 
 @dataclass
 class MLACache:
-    """What decoding keeps (given): the latents c_s [B, t, latent_dim] and rotary keys k^R_s [B, t, rope_dim] of
-    the t tokens so far, in the model's dtype, and nothing else. The grader reads these two tensors, measures
-    them, and continues decoding from them in a fresh module."""
+    """What decoding keeps (given): rows for `capacity` tokens, latent [B, capacity, latent_dim] and rope_key
+    [B, capacity, rope_dim] in the model's dtype, and `length`, the int count of tokens so far, whose latents c_s
+    and rotary keys k^R_s are rows 0 .. length-1; the rows after them are room for the next tokens. Nothing else.
+
+    The grader reads the first `length` rows, measures the two tensors, and continues decoding in a fresh module
+    from a cache of its own (these rows copied into tensors with room): what decoding needs must be in here."""
 
     latent: Tensor
     rope_key: Tensor
+    length: int
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -107,12 +111,19 @@ class MultiHeadLatentAttention(nn.Module):
         raise NotImplementedError
 
     def prefill(self, h: Tensor) -> tuple[Tensor, MLACache]:
-        """(forward(h), the cache of h's T tokens at positions 0 .. T-1). Same errors as forward."""
+        """(forward(h), the cache of h's T tokens at positions 0 .. T-1: length T, any capacity from T up).
+        Same errors as forward."""
         raise NotImplementedError
 
     def decode(self, h: Tensor, cache: MLACache) -> tuple[Tensor, MLACache]:
-        """One token per sequence, h [B, 1, d_model], at position t = the cache's length: (its output
-        [B, 1, d_model], the cache with its latent and rotary key appended).
+        """One token per sequence, h [B, 1, d_model], at position t = cache.length: (its output [B, 1, d_model],
+        the cache with the token's latent and rotary key appended, length t + 1).
+
+        Appending (pinned): when the cache has room (its capacity above t), write the token's rows in place at row t
+        of the cache's own tensors and return an MLACache of those same tensors; copying the cache would read and
+        write all of it once more per step, more than the step itself reads. Only a full cache is copied, into
+        new tensors with room (twice the capacity, say, so that the copy is paid once per as many steps). The grader
+        compares the memory of the tensors it gave with those returned while there was room.
 
         The absorbed path: each head's query moves into the latent space (W_UK,i^T q_t,i) and is scored against
         the cached latents; head i's output is W_UV,i applied to the weighted sum of latents. No tensor of every
@@ -125,10 +136,11 @@ class MultiHeadLatentAttention(nn.Module):
         cached token (copying or casting the cache a few times and a few [B, H, t] score tensors fit).
 
         Raises: as forward; ValueError if h holds more than one token or the batch differs from the cache's.
+        (A cache's own consistency, its two capacities and its length, may be taken as given.)
         """
         raise NotImplementedError
 
     def cache_bytes_per_token(self) -> int:
-        """Bytes the cache grows by per token and sequence: (latent_dim + rope_dim) elements of the model's
-        dtype (multi-head attention would keep 2 n_heads head_dim)."""
+        """Bytes the cache holds per token of its capacity and per sequence: (latent_dim + rope_dim) elements of
+        the model's dtype (multi-head attention would keep 2 n_heads head_dim)."""
         raise NotImplementedError
