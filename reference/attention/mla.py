@@ -17,6 +17,12 @@ Decode path: q_t,i . k_s,i = (W_UK,i^T q_t,i) . c_s, so a query is moved into th
 against the cached latents directly; and W_O,i W_UV,i sum_s p_s c_s gives head i's output from the weighted sum of
 latents. Per head and step that is O(t d_c) work on the cache instead of rebuilding t keys and values of d_h.
 Cache per token and layer: (d_c + d_r) elements, against 2 H d_h for multi-head attention.
+
+The cache holds rows for more tokens than it has (MLACache.length): a step writes its token in place. A step is bound
+by reading the cache, so on a GPU a bfloat16 cache is read by one Triton kernel (_latent_attention) that scores a tile
+of latent rows for every head of its sequence and mixes the same tile into the weighted sum, the cached tokens cut
+into a few ranges combined afterwards (flash-decoding): the cache read once, in its own dtype, on tensor cores. The
+plain path beside it (_plain_latent_attention) serves every other cache.
 """
 
 from __future__ import annotations
@@ -25,10 +31,14 @@ import math
 from dataclasses import dataclass
 
 import torch
+import triton
+import triton.language as tl
 from torch import Tensor, nn
 
 MODEL_DTYPES = (torch.float32, torch.bfloat16, torch.float64)
 ROPE_BASE = 10000.0
+# Ranges of cached tokens a decode step's kernel cuts each sequence into (at most; fewer for short caches).
+DECODE_SPLITS = 8
 
 
 @dataclass(frozen=True)
@@ -70,6 +80,101 @@ def appended(cache: MLACache, latent: Tensor, rope_key: Tensor) -> MLACache:
         rows[0][:, :capacity], rows[1][:, :capacity] = cache.latent, cache.rope_key
     rows[0][:, cache.length], rows[1][:, cache.length] = latent[:, 0], rope_key[:, 0]
     return MLACache(*rows, length=cache.length + 1)
+
+
+@triton.jit
+def _split_dot(a, b, SPLIT: tl.constexpr):
+    """a (float32) @ b (the cache's dtype) accumulated in float32 on tensor cores: with SPLIT (a bfloat16 cache), a
+    is rounded to bfloat16 and its rounding error taken as a second bfloat16 term, so that the product carries 16 of
+    a's 24 bits where rounding a alone would carry 8 (products of bfloat16 are exact in float32)."""
+    high = a.to(b.dtype)
+    out = tl.dot(high, b)
+    if SPLIT:
+        out += tl.dot((a - high.to(tl.float32)).to(b.dtype), b)
+    return out
+
+
+@triton.jit
+def _latent_attention_kernel(q_latent_ptr, q_rope_ptr, latent_ptr, rope_key_ptr, mixed_ptr, max_ptr, sum_ptr,
+                             length, tokens_per_split, scale, heads, latent_dim, rope_dim,
+                             stride_lb, stride_lt, stride_rb, stride_rt,
+                             BLOCK_H: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                             BLOCK_T: tl.constexpr, SPLIT: tl.constexpr):
+    """One program per (sequence, split of the cached tokens): every head of the sequence at once, so that each
+    latent row is read once for the H scores and once more from the same tile for the H weighted sums (no second
+    pass over the cache). Writes the split's unnormalised sum of latents [H, d_c], its running max and its sum of
+    exponentials, which _latent_attention combines. Traffic: the split's rows, (d_c + d_r) elements a token, once."""
+    batch, split = tl.program_id(0), tl.program_id(1)
+    head_rows = tl.arange(0, BLOCK_H)
+    latent_cols, rope_cols = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
+    q_offset = batch * heads + head_rows[:, None]
+    q_latent = tl.load(q_latent_ptr + q_offset * latent_dim + latent_cols[None, :],
+                       mask=(head_rows[:, None] < heads) & (latent_cols[None, :] < latent_dim), other=0.0)
+    q_rope = tl.load(q_rope_ptr + q_offset * rope_dim + rope_cols[None, :],
+                     mask=(head_rows[:, None] < heads) & (rope_cols[None, :] < rope_dim), other=0.0)
+    row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
+    row_sum = tl.zeros([BLOCK_H], tl.float32)
+    mixed = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
+    start = split * tokens_per_split
+    end = tl.minimum(start + tokens_per_split, length)
+    for first in range(start, end, BLOCK_T):  # every tile holds at least one token below `end`
+        tokens = first + tl.arange(0, BLOCK_T)
+        held = tokens < end
+        latent = tl.load(latent_ptr + batch * stride_lb + tokens[:, None] * stride_lt + latent_cols[None, :],
+                         mask=held[:, None] & (latent_cols[None, :] < latent_dim), other=0.0)  # [T, d_c]
+        rope_key = tl.load(rope_key_ptr + batch * stride_rb + tokens[:, None] * stride_rt + rope_cols[None, :],
+                           mask=held[:, None] & (rope_cols[None, :] < rope_dim), other=0.0)  # [T, d_r]
+        scores = _split_dot(q_latent, tl.trans(latent), SPLIT) + _split_dot(q_rope, tl.trans(rope_key), SPLIT)
+        scores = tl.where(held[None, :], scores * scale, float("-inf"))  # [H, T]
+        new_max = tl.maximum(row_max, tl.max(scores, axis=1))
+        rescale = tl.exp(row_max - new_max)
+        weights = tl.exp(scores - new_max[:, None])
+        row_sum = row_sum * rescale + tl.sum(weights, axis=1)
+        mixed = mixed * rescale[:, None] + _split_dot(weights, latent, SPLIT)
+        row_max = new_max
+    out = (batch * tl.num_programs(1) + split) * heads + head_rows
+    tl.store(mixed_ptr + out[:, None] * latent_dim + latent_cols[None, :], mixed,
+             mask=(head_rows[:, None] < heads) & (latent_cols[None, :] < latent_dim))
+    tl.store(max_ptr + out, row_max, mask=head_rows < heads)
+    tl.store(sum_ptr + out, row_sum, mask=head_rows < heads)
+
+
+def _plain_latent_attention(q_latent: Tensor, q_rope: Tensor, cache: MLACache, scale: float) -> Tensor:
+    """What _latent_attention computes, in torch operators in q's dtype (the accumulation dtype): the path of every
+    cache but a bfloat16 one on a GPU."""
+    # The held rows [B, t, d_c] and [B, t, d_r]: views of the cache, cast (copied) for a bfloat16 one.
+    latent = cache.latent[:, :cache.length].to(q_latent.dtype)
+    rope_key = cache.rope_key[:, :cache.length].to(q_latent.dtype)
+    # Every head scores the same cached latents: its H absorbed queries are the rows of one [H, d_c] matrix per
+    # sequence, so one batched product reads the cache once (a broadcast over heads would copy it H times).
+    scores = torch.bmm(q_latent, latent.transpose(1, 2)) + torch.bmm(q_rope, rope_key.transpose(1, 2))
+    weights = torch.softmax(scores * scale, dim=-1)  # [B, H, t]
+    return torch.bmm(weights, latent)  # sum_s p_s c_s per head
+
+
+def _latent_attention(q_latent: Tensor, q_rope: Tensor, cache: MLACache, scale: float,
+                      splits: int = DECODE_SPLITS) -> Tensor:
+    """sum_s softmax_s(scale (q_latent . c_s + q_rope . k^R_s)) c_s over the cache's held tokens, [B, H, d_c] in
+    float32, from q_latent [B, H, d_c] and q_rope [B, H, d_r] in float32: the cache read once, in its own dtype.
+    The tokens are cut into `splits` ranges (flash-decoding), so that a small batch still fills the GPU; the
+    splits' partial sums, B splits H d_c floats, are combined here."""
+    batch, heads, latent_dim = q_latent.shape
+    block_t = 32
+    per_split = triton.cdiv(triton.cdiv(cache.length, splits), block_t) * block_t
+    splits = triton.cdiv(cache.length, per_split)  # none empty
+    mixed = q_latent.new_empty(batch, splits, heads, latent_dim)
+    row_max = q_latent.new_empty(batch, splits, heads)
+    row_sum = torch.empty_like(row_max)
+    _latent_attention_kernel[(batch, splits)](
+        q_latent.contiguous(), q_rope.contiguous(), cache.latent, cache.rope_key, mixed, row_max, row_sum,
+        cache.length, per_split, scale, heads, latent_dim, q_rope.shape[-1],
+        cache.latent.stride(0), cache.latent.stride(1), cache.rope_key.stride(0), cache.rope_key.stride(1),
+        BLOCK_H=max(16, triton.next_power_of_2(heads)), BLOCK_C=max(16, triton.next_power_of_2(latent_dim)),
+        BLOCK_R=max(16, triton.next_power_of_2(q_rope.shape[-1])), BLOCK_T=block_t,
+        SPLIT=cache.latent.dtype == torch.bfloat16, num_warps=8)
+    overall = row_max.amax(dim=1, keepdim=True)
+    weights = torch.exp(row_max - overall)  # [B, splits, H]
+    return (weights[..., None] * mixed).sum(1) / (weights * row_sum).sum(1)[..., None]
 
 
 def _accumulation_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -159,17 +264,11 @@ class MultiHeadLatentAttention(nn.Module):
         cache = appended(cache, new.latent, new.rope_key)
         q, q_rope = self._queries(h, position)  # [B, H, 1, d_h], [B, H, 1, d_r]
         key_up = self.key_up.weight.to(acc).view(c.n_heads, c.head_dim, c.latent_dim)
-        # Every head scores the same cached latents: its H absorbed queries W_UK,i^T q_i are the rows of one [H, d_c]
-        # matrix per sequence, so one batched product reads the cache once (a broadcast over heads would copy it H
-        # times).
         # One product per head with the batch as its rows: a broadcast q @ key_up would copy key_up once per sequence.
         q_latent = torch.einsum("bhd,hdc->bhc", q.squeeze(2), key_up)  # [B, H, d_c]
-        # The held rows [B, t, d_c] and [B, t, d_r], views of the cache (a copy only where a bfloat16 cache is cast).
-        latent = cache.latent[:, :cache.length].to(acc)
-        rope_key = cache.rope_key[:, :cache.length].to(acc)
-        scores = torch.bmm(q_latent, latent.transpose(1, 2)) + torch.bmm(q_rope.squeeze(2), rope_key.transpose(1, 2))
-        weights = torch.softmax(scores / math.sqrt(c.head_dim + c.rope_dim), dim=-1)  # [B, H, t]
-        mixed = torch.bmm(weights, latent)  # sum_s p_s c_s per head: [B, H, d_c]
+        on_kernel = cache.latent.is_cuda and cache.latent.dtype == torch.bfloat16
+        attend = _latent_attention if on_kernel else _plain_latent_attention
+        mixed = attend(q_latent, q_rope.squeeze(2), cache, 1 / math.sqrt(c.head_dim + c.rope_dim))  # [B, H, d_c]
         value_up = self.value_up.weight.to(acc).view(c.n_heads, c.head_dim, c.latent_dim)
         heads = torch.einsum("bhc,hdc->bhd", mixed, value_up).reshape(batch, 1, c.n_heads * c.head_dim)
         return self.out(heads.to(h.dtype)), cache
