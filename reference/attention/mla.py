@@ -83,14 +83,24 @@ def appended(cache: MLACache, latent: Tensor, rope_key: Tensor) -> MLACache:
 
 
 @triton.jit
-def _split_dot(a, b, SPLIT: tl.constexpr):
-    """a (float32) @ b (the cache's dtype) accumulated in float32 on tensor cores: with SPLIT (a bfloat16 cache), a
-    is rounded to bfloat16 and its rounding error taken as a second bfloat16 term, so that the product carries 16 of
-    a's 24 bits where rounding a alone would carry 8 (products of bfloat16 are exact in float32)."""
-    high = a.to(b.dtype)
+def _split(a, dtype: tl.constexpr, SPLIT: tl.constexpr):
+    """float32 `a` as two terms of the cache's dtype for tensor cores: with SPLIT (a bfloat16 cache) its rounding
+    and the rounding's error, which together carry 16 of a's 24 bits where the rounding alone carries 8 (products of
+    bfloat16 are exact in float32)."""
+    high = a.to(dtype)
+    if SPLIT:
+        low = (a - high.to(tl.float32)).to(dtype)
+    else:
+        low = high
+    return high, low
+
+
+@triton.jit
+def _split_dot(high, low, b, SPLIT: tl.constexpr):
+    """(high + low) @ b, accumulated in float32."""
     out = tl.dot(high, b)
     if SPLIT:
-        out += tl.dot((a - high.to(tl.float32)).to(b.dtype), b)
+        out += tl.dot(low, b)
     return out
 
 
@@ -112,6 +122,9 @@ def _latent_attention_kernel(q_latent_ptr, q_rope_ptr, latent_ptr, rope_key_ptr,
                        mask=(head_rows[:, None] < heads) & (latent_cols[None, :] < latent_dim), other=0.0)
     q_rope = tl.load(q_rope_ptr + q_offset * rope_dim + rope_cols[None, :],
                      mask=(head_rows[:, None] < heads) & (rope_cols[None, :] < rope_dim), other=0.0)
+    dtype = latent_ptr.dtype.element_ty
+    q_latent_high, q_latent_low = _split(q_latent, dtype, SPLIT)
+    q_rope_high, q_rope_low = _split(q_rope, dtype, SPLIT)
     row_max = tl.full([BLOCK_H], float("-inf"), tl.float32)
     row_sum = tl.zeros([BLOCK_H], tl.float32)
     mixed = tl.zeros([BLOCK_H, BLOCK_C], tl.float32)
@@ -124,13 +137,15 @@ def _latent_attention_kernel(q_latent_ptr, q_rope_ptr, latent_ptr, rope_key_ptr,
                          mask=held[:, None] & (latent_cols[None, :] < latent_dim), other=0.0)  # [T, d_c]
         rope_key = tl.load(rope_key_ptr + batch * stride_rb + tokens[:, None] * stride_rt + rope_cols[None, :],
                            mask=held[:, None] & (rope_cols[None, :] < rope_dim), other=0.0)  # [T, d_r]
-        scores = _split_dot(q_latent, tl.trans(latent), SPLIT) + _split_dot(q_rope, tl.trans(rope_key), SPLIT)
+        scores = (_split_dot(q_latent_high, q_latent_low, tl.trans(latent), SPLIT)
+                  + _split_dot(q_rope_high, q_rope_low, tl.trans(rope_key), SPLIT))
         scores = tl.where(held[None, :], scores * scale, float("-inf"))  # [H, T]
         new_max = tl.maximum(row_max, tl.max(scores, axis=1))
         rescale = tl.exp(row_max - new_max)
         weights = tl.exp(scores - new_max[:, None])
         row_sum = row_sum * rescale + tl.sum(weights, axis=1)
-        mixed = mixed * rescale[:, None] + _split_dot(weights, latent, SPLIT)
+        weights_high, weights_low = _split(weights, dtype, SPLIT)
+        mixed = mixed * rescale[:, None] + _split_dot(weights_high, weights_low, latent, SPLIT)
         row_max = new_max
     out = (batch * tl.num_programs(1) + split) * heads + head_rows
     tl.store(mixed_ptr + out[:, None] * latent_dim + latent_cols[None, :], mixed,
