@@ -130,13 +130,12 @@ def held_rows(cache) -> list:
             for t in (cache.latent, cache.rope_key)]
 
 
-def with_room(module, rows: list, capacity: int):
-    """The grader's cache for a fresh layer: the held rows copied into zeroed rows of `capacity` tokens, so that the
-    first decode steps append in place and a later one must grow it. Rows that are not [B, t, size] tensors are
-    passed on as they came (the student's decode then meets them)."""
-    if not all(isinstance(t, torch.Tensor) and t.ndim == 3 for t in rows):
-        return module.MLACache(*rows, length=capacity)
-    length = rows[0].shape[1]
+def with_room(module, rows: list, length: int, capacity: int):
+    """The grader's cache of `length` tokens for a fresh layer: the held rows copied into zeroed rows of `capacity`
+    tokens, so that the first decode steps append in place and a later one must grow it. Rows that are not
+    [B, length, size] tensors are passed on as they came (the student's decode then meets them)."""
+    if not all(isinstance(t, torch.Tensor) and t.ndim == 3 and t.shape[1] == length for t in rows):
+        return module.MLACache(*rows, length=length)
     roomy = [t.new_zeros(t.shape[0], capacity, t.shape[2]) for t in rows]
     for held, room in zip(rows, roomy):
         room[:, :length] = held
@@ -183,7 +182,7 @@ def run_prefill_decode(module, config: dict, weights: dict, h: torch.Tensor, pre
     prefilled, cache = build(module, config, weights).prefill(h[:, :prefill])
     entries, prefill_length = held_rows(cache), cache.length
     layer = build(module, config, weights)
-    cache = with_room(module, entries, (prefill + h.shape[1]) // 2)
+    cache = with_room(module, entries, prefill, (prefill + h.shape[1]) // 2)
     outputs, large, built, moved = [prefilled], [], [], []
     per_head = h.shape[0] * config["n_heads"] * config["head_dim"]
     for t in range(prefill, h.shape[1]):
