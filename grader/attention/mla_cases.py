@@ -142,8 +142,11 @@ def with_room(module, rows: list, length: int, capacity: int):
     return module.MLACache(*roomy, length=length)
 
 
-def storage_of(tensor) -> int | None:
-    return tensor.untyped_storage().data_ptr() if isinstance(tensor, torch.Tensor) else None
+def memory_of(cache) -> tuple:
+    """Where the cache's two tensors' storage starts (None for what is not a tensor): the same after a step that
+    appended in place."""
+    return tuple(t.untyped_storage().data_ptr() if isinstance(t, torch.Tensor) else None
+                 for t in (cache.latent, cache.rope_key))
 
 
 class _DecodeRecorder(TorchDispatchMode):
@@ -186,10 +189,10 @@ def run_prefill_decode(module, config: dict, weights: dict, h: torch.Tensor, pre
     outputs, large, built, moved = [prefilled], [], [], []
     per_head = h.shape[0] * config["n_heads"] * config["head_dim"]
     for t in range(prefill, h.shape[1]):
-        given, room = (storage_of(cache.latent), storage_of(cache.rope_key)), t < cache.latent.shape[1]
+        given, room = memory_of(cache), t < cache.latent.shape[1]
         with _DecodeRecorder(per_head * t, t) as recorder:
             y_t, cache = layer.decode(h[:, t:t + 1], cache)
-        if room and given != (storage_of(cache.latent), storage_of(cache.rope_key)):
+        if room and given != memory_of(cache):
             moved.append(t)
         outputs.append(y_t)
         large += recorder.seen

@@ -106,7 +106,7 @@ def test_cache_holds_latents_only(student, reference, case):
     rotated keys themselves."""
     got, (want64, want) = student_decode(student, case, lambda: expected_decode(reference, case))
     for stage, key, length in (("prefill", "prefill_length", case.prefill), ("decode", "length", case.seq)):
-        if got[key] != length or type(got[key]) is not int:
+        if type(got[key]) is not int or got[key] != length:  # the type first: a tensor's != is no bool
             raise WrongAnswer(f"MLACache.length after {stage} must be the int {length}, the tokens it holds, got "
                               f"{got[key]!r} ({case.describe()})")
     for stage, length in (("prefill_cache", case.prefill), ("cache", case.seq)):
