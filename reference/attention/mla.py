@@ -167,6 +167,11 @@ def _plain_latent_attention(q_latent: Tensor, q_rope: Tensor, cache: MLACache, s
     return torch.bmm(weights, latent)  # sum_s p_s c_s per head
 
 
+def _dot_block(size: int) -> int:
+    """A block covering `size` that tl.dot takes: a power of two, at least 16."""
+    return max(16, triton.next_power_of_2(size))
+
+
 def _latent_attention(q_latent: Tensor, q_rope: Tensor, cache: MLACache, scale: float,
                       splits: int = DECODE_SPLITS) -> Tensor:
     """sum_s softmax_s(scale (q_latent . c_s + q_rope . k^R_s)) c_s over the cache's held tokens, [B, H, d_c] in
@@ -174,7 +179,7 @@ def _latent_attention(q_latent: Tensor, q_rope: Tensor, cache: MLACache, scale: 
     The tokens are cut into `splits` ranges (flash-decoding), so that a small batch still fills the GPU; the
     splits' partial sums, B splits H d_c floats, are combined here."""
     batch, heads, latent_dim = q_latent.shape
-    block_h = max(16, triton.next_power_of_2(heads))
+    block_h = _dot_block(heads)
     # Measured on an H100 at B = 64, t = 8192, d_c = 512: 32-token tiles on 4 warps for 16 heads, 64-token tiles on
     # 8 warps for 32 (whose [32, d_c] float32 sums need the registers).
     block_t, warps = (32, 4) if block_h <= 16 else (64, 8)
@@ -187,8 +192,7 @@ def _latent_attention(q_latent: Tensor, q_rope: Tensor, cache: MLACache, scale: 
         q_latent.contiguous(), q_rope.contiguous(), cache.latent, cache.rope_key, mixed, row_max, row_sum,
         cache.length, per_split, scale, heads, latent_dim, q_rope.shape[-1],
         cache.latent.stride(0), cache.latent.stride(1), cache.rope_key.stride(0), cache.rope_key.stride(1),
-        BLOCK_H=block_h, BLOCK_C=max(16, triton.next_power_of_2(latent_dim)),
-        BLOCK_R=max(16, triton.next_power_of_2(q_rope.shape[-1])), BLOCK_T=block_t,
+        BLOCK_H=block_h, BLOCK_C=_dot_block(latent_dim), BLOCK_R=_dot_block(q_rope.shape[-1]), BLOCK_T=block_t,
         SPLIT=cache.latent.dtype == torch.bfloat16, num_warps=warps)
     overall = row_max.amax(dim=1, keepdim=True)
     weights = torch.exp(row_max - overall)  # [B, splits, H]
